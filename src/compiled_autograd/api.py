@@ -1,0 +1,154 @@
+"""The user surface: enable(), backward(), grad(), stats(), reset().
+
+NOTE [One interception point]
+`torch.autograd.backward` (hence `Tensor.backward`) and `torch.autograd.grad`
+both end in `torch.autograd._engine_run_backward`, looked up as a global of the
+`torch.autograd` module, after `_make_grads` has built the root grads and raised
+eager's own argument errors. We replace that global once, at import, with a
+router that sends the call to us when an `enable()` scope is active in the
+current context (a ContextVar: nestable, per thread/task) and to the eager
+engine otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Sequence
+
+import torch
+import torch.autograd
+
+from . import config as _config
+from .cache import CACHE
+from .config import BackendLike, Config
+from .runtime import reset_runtime, run_backward
+from .stats import LOCK, STATS, Stats, reset_stats
+
+_eager_engine_run_backward = torch.autograd._engine_run_backward
+
+
+def _routed_engine_run_backward(
+    t_outputs,
+    grad_tensors,
+    keep_graph,
+    create_graph,
+    inputs=(),
+    allow_unreachable=False,
+    accumulate_grad=False,
+    *args,
+    **kwargs,
+):
+    cfg = _config.current()
+    eager = functools.partial(
+        _eager_engine_run_backward,
+        t_outputs,
+        grad_tensors,
+        keep_graph,
+        create_graph,
+        inputs,
+        allow_unreachable,
+        accumulate_grad,
+        *args,
+        **kwargs,
+    )
+    if cfg is None or args or kwargs:
+        return eager()
+    return run_backward(
+        cfg,
+        eager,
+        tuple(t_outputs),
+        tuple(grad_tensors),
+        bool(keep_graph),
+        bool(create_graph),
+        tuple(inputs or ()),
+        bool(allow_unreachable),
+        bool(accumulate_grad),
+    )
+
+
+def _install() -> None:
+    if torch.autograd._engine_run_backward is not _routed_engine_run_backward:
+        torch.autograd._engine_run_backward = _routed_engine_run_backward
+
+
+_install()
+
+
+class enable(contextlib.ContextDecorator):
+    """Compile every backward run inside this scope.
+
+    >>> with ca.enable(backend="inductor"):
+    ...     loss.backward()
+
+    Also usable as a decorator. Scopes nest; the innermost one wins.
+    """
+
+    def __init__(self, backend: BackendLike = "inductor", *, fullgraph: bool = False, cache_size_limit: int = 256):
+        self.config = Config(backend=backend, fullgraph=fullgraph, cache_size_limit=cache_size_limit)
+        self._tokens: list = []
+
+    def __enter__(self):
+        _install()
+        self._tokens.append(_config._active.set(self.config))
+        return self
+
+    def __exit__(self, *exc):
+        _config._active.reset(self._tokens.pop())
+        return False
+
+
+class disable(contextlib.ContextDecorator):
+    """Run backwards in eager autograd inside this scope, even within `enable()`."""
+
+    def __enter__(self):
+        self._token = _config._active.set(None)
+        return self
+
+    def __exit__(self, *exc):
+        _config._active.reset(self._token)
+        return False
+
+
+def backward(
+    tensors,
+    grad_tensors=None,
+    retain_graph: bool | None = None,
+    inputs=None,
+    backend: BackendLike = "inductor",
+    *,
+    fullgraph: bool = False,
+) -> None:
+    """`torch.autograd.backward`, compiled."""
+    with enable(backend, fullgraph=fullgraph):
+        torch.autograd.backward(tensors, grad_tensors=grad_tensors, retain_graph=retain_graph, inputs=inputs)
+
+
+def grad(
+    outputs,
+    inputs,
+    grad_outputs=None,
+    retain_graph: bool | None = None,
+    allow_unused: bool | None = None,
+    backend: BackendLike = "inductor",
+    *,
+    fullgraph: bool = False,
+) -> tuple[Any, ...]:
+    """`torch.autograd.grad`, compiled."""
+    with enable(backend, fullgraph=fullgraph):
+        return torch.autograd.grad(
+            outputs, inputs, grad_outputs=grad_outputs, retain_graph=retain_graph, allow_unused=allow_unused
+        )
+
+
+def stats() -> Stats:
+    """A snapshot of the counters (captures, hits, eager_fallbacks, opaque_nodes, ...)."""
+    with LOCK:
+        return STATS.snapshot()
+
+
+def reset() -> None:
+    """Clear the cache and the counters."""
+    CACHE.clear()
+    reset_stats()
+    reset_runtime()

@@ -1,0 +1,60 @@
+"""The few options compiled_autograd has, and the scope they apply to.
+
+Options are set with `ca.enable(...)` (a context manager) and read through
+`current()`, a context variable, so they nest and are per thread/task.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+BackendLike = Union[str, Callable]
+
+BACKENDS = ("eager", "aot_eager", "inductor")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Options of one `enable()` scope.
+
+    backend:   "eager" (run the captured FX graph as Python), "aot_eager",
+               "inductor", or a callable ``(gm, example_inputs) -> callable``.
+    fullgraph: raise instead of falling back to eager autograd when a backward
+               cannot be captured or compiled.
+    cache_size_limit: captured graphs kept per process (least recently used
+               entries are dropped).
+    """
+
+    backend: BackendLike = "inductor"
+    fullgraph: bool = False
+    cache_size_limit: int = 256
+    _check: bool = field(default=True, repr=False)
+
+    def __post_init__(self):
+        if isinstance(self.backend, str) and self.backend not in BACKENDS:
+            raise ValueError(
+                f"compiled_autograd: unknown backend {self.backend!r}; "
+                f"expected one of {', '.join(BACKENDS)} or a callable (gm, example_inputs) -> callable"
+            )
+        if not isinstance(self.backend, str) and not callable(self.backend):
+            raise TypeError(f"compiled_autograd: backend must be a str or callable, got {type(self.backend)}")
+        if self.cache_size_limit < 1:
+            raise ValueError("compiled_autograd: cache_size_limit must be >= 1")
+
+    @property
+    def backend_name(self) -> str:
+        if isinstance(self.backend, str):
+            return self.backend
+        return getattr(self.backend, "__name__", type(self.backend).__name__)
+
+
+_active: contextvars.ContextVar[Config | None] = contextvars.ContextVar(
+    "compiled_autograd_config", default=None
+)
+
+
+def current() -> Config | None:
+    """The config of the innermost active `enable()` scope, or None."""
+    return _active.get()

@@ -1,0 +1,210 @@
+"""One backward call: collect -> look up -> (capture + compile) -> run -> apply.
+
+The lifecycle of a backward, named as the code names it:
+  collect  the native walker visits the graph in engine order and builds the key
+  capture  on a miss: trace the whole backward into one FX graph (trace.py)
+  compile  hand that graph to the backend (backends.py), store it (cache.py)
+  replay   run the compiled graph on the lifted tensors, then apply its outputs
+           with eager semantics (AccumulateGrad itself) and free the graph.
+Anything this path does not handle runs in eager autograd instead, counted in
+`stats().eager_fallbacks` with its reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from . import native
+from .backends import compile_graph
+from .cache import CACHE, CompiledBackward
+from .config import Config
+from .stats import LOCK, STATS
+from .trace import trace_backward
+
+log = logging.getLogger("compiled_autograd")
+
+UNUSED_INPUT_ERROR = (
+    "One of the differentiated Tensors appears to not have been used in the graph. "
+    "Set allow_unused=True if this is the desired behavior."
+)
+
+
+class CompiledAutogradError(RuntimeError):
+    """Raised under `fullgraph=True` when a backward cannot be compiled."""
+
+
+class _Fallback(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+_warned: set[str] = set()
+_capture_log: list[dict] = []
+
+
+def capture_log() -> list[dict]:
+    return list(_capture_log)
+
+
+def reset_runtime() -> None:
+    _warned.clear()
+    _capture_log.clear()
+
+
+def _global_state() -> tuple:
+    # process state a traced formula may branch on
+    return (
+        torch.get_default_dtype(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None,
+    )
+
+
+def _precheck(roots, grads, create_graph, inputs, accumulate_grad) -> tuple[str | None, bool]:
+    """(reason to run eagerly, whether eager is only there to raise the user's error)."""
+    for r in roots:
+        if not isinstance(r, torch.Tensor):
+            return "GradientEdge roots", False
+        if r.grad_fn is None and not r.requires_grad:
+            return "root does not require grad", True
+    for t in inputs:
+        if not isinstance(t, torch.Tensor):
+            return "GradientEdge inputs", False
+        if not t.requires_grad:
+            return "input does not require grad", True
+        if accumulate_grad and t.grad_fn is not None:
+            return "backward(inputs=...) with a non-leaf input", False
+    if create_graph:
+        return "create_graph=True", False
+    if torch.is_anomaly_enabled():
+        return "anomaly mode", False
+    if torch._C._are_functorch_transforms_active():
+        return "functorch transform active", False
+    if _get_current_dispatch_mode() is not None:
+        return "TorchDispatchMode active", False
+    for g in grads:
+        if g is not None and type(g) not in (torch.Tensor, torch.nn.Parameter):
+            return "tensor subclass root grad", False
+    return None, False
+
+
+def _fall_back(cfg: Config, reason: str, eager: Callable[[], Any], user_error: bool = False):
+    if cfg.fullgraph and not user_error:
+        raise CompiledAutogradError(
+            f"compiled_autograd: cannot compile this backward ({reason}); "
+            "use fullgraph=False to run it in eager autograd instead"
+        )
+    result = eager()  # eager raises the user's error itself where there is one
+    with LOCK:
+        STATS.eager_fallbacks += 1
+        STATS.fallback_reasons[reason] += 1
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"compiled_autograd: running a backward in eager autograd: {reason}", stacklevel=4)
+    log.info("eager fallback: %s", reason)
+    return result
+
+
+def _capture_and_compile(cfg: Config, capture, lifted, key) -> CompiledBackward:
+    names = tuple(capture.node_names())
+    t0 = time.perf_counter()
+    gm = trace_backward(capture, lifted)
+    t1 = time.perf_counter()
+    log.info("compiling a backward graph of %d nodes with %s", len(names), cfg.backend_name)
+    fn = compile_graph(cfg.backend, gm, lifted)
+    t2 = time.perf_counter()
+    reason = _why_new(key, names)
+    entry = CompiledBackward(
+        fn=fn,
+        graph=gm,
+        backend=cfg.backend_name,
+        node_names=names,
+        num_inputs=len(lifted),
+        reason=reason,
+        trace_seconds=t1 - t0,
+        compile_seconds=t2 - t1,
+    )
+    with LOCK:
+        STATS.captures += 1
+        STATS.trace_seconds += t1 - t0
+        STATS.compile_seconds += t2 - t1
+    _capture_log.append(
+        dict(reason=reason, nodes=len(names), backend=cfg.backend_name,
+             trace_seconds=t1 - t0, compile_seconds=t2 - t1, inputs=len(lifted))
+    )
+    log.info("captured %d nodes (%s): trace %.2fs, compile %.2fs", len(names), reason, t1 - t0, t2 - t1)
+    return entry
+
+
+def _why_new(key, names) -> str:
+    same_backend = [e for k, e in zip(CACHE.keys(), CACHE.entries()) if k[:2] == key[:2]]
+    if not same_backend:
+        return "first backward"
+    if any(e.node_names == names for e in same_backend):
+        return "same nodes as a cached graph, different constants, sizes or tensor metadata"
+    return "new graph structure"
+
+
+def run_backward(
+    cfg: Config,
+    eager: Callable[[], Any],
+    roots: Sequence[Any],
+    grads: Sequence[Any],
+    keep_graph: bool,
+    create_graph: bool,
+    inputs: Sequence[Any],
+    allow_unused: bool,
+    accumulate_grad: bool,
+):
+    reason, user_error = _precheck(roots, grads, create_graph, inputs, accumulate_grad)
+    if reason is not None:
+        return _fall_back(cfg, reason, eager, user_error)
+
+    C = native.load()
+    try:
+        capture = C.GraphCapture(list(roots), list(grads), list(inputs), accumulate_grad)
+    except RuntimeError as e:
+        # misuse (freed graph, modified saved tensor): eager raises the same error
+        return _fall_back(cfg, f"collection error: {str(e).splitlines()[0][:120]}", eager, user_error=True)
+    if capture.unsupported:
+        return _fall_back(cfg, capture.unsupported, eager)
+
+    key = (cfg.backend if not isinstance(cfg.backend, str) else cfg.backend, _global_state(), capture.key())
+    lifted = capture.lifted()
+    entry = CACHE.get(key)
+    try:
+        if entry is None:
+            entry = _capture_and_compile(cfg, capture, lifted, key)
+            with torch.no_grad():
+                outs = entry(lifted)
+            CACHE.put(key, entry, cfg.cache_size_limit)  # only graphs that ran
+        else:
+            with LOCK:
+                STATS.hits += 1
+            with torch.no_grad():
+                outs = entry(lifted)
+    except Exception as e:  # capture, compile or run failed: nothing was applied yet
+        if cfg.fullgraph:
+            raise
+        capture.clear()
+        log.debug("capture failed", exc_info=True)
+        return _fall_back(cfg, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}", eager)
+    del lifted
+    captured = capture.apply_outputs(list(outs))
+    del outs
+    if not keep_graph:
+        capture.release()
+    capture.clear()
+    if accumulate_grad:
+        return ()
+    if not allow_unused and any(g is None for g in captured):
+        raise RuntimeError(UNUSED_INPUT_ERROR)
+    return tuple(captured)

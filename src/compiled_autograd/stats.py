@@ -1,0 +1,57 @@
+"""Counters: what compiled_autograd did, and why it did not when it did not."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stats:
+    """Process-wide counters (`ca.stats()` returns a snapshot).
+
+    captures:        graphs traced and compiled (cache misses that compiled)
+    hits:            backwards served by a cached compiled graph
+    eager_fallbacks: backwards that ran in eager autograd instead
+    opaque_nodes:    nodes run eagerly inside a compiled graph
+    fallback_reasons: Counter of reason -> number of eager fallbacks
+    trace_seconds / compile_seconds: time spent capturing and compiling
+    """
+
+    captures: int = 0
+    hits: int = 0
+    eager_fallbacks: int = 0
+    opaque_nodes: int = 0
+    fallback_reasons: Counter = field(default_factory=Counter)
+    trace_seconds: float = 0.0
+    compile_seconds: float = 0.0
+
+    def snapshot(self) -> "Stats":
+        return Stats(
+            captures=self.captures,
+            hits=self.hits,
+            eager_fallbacks=self.eager_fallbacks,
+            opaque_nodes=self.opaque_nodes,
+            fallback_reasons=Counter(self.fallback_reasons),
+            trace_seconds=self.trace_seconds,
+            compile_seconds=self.compile_seconds,
+        )
+
+    def __str__(self) -> str:
+        reasons = ", ".join(f"{r}: {n}" for r, n in self.fallback_reasons.most_common())
+        return (
+            f"captures={self.captures} hits={self.hits} eager_fallbacks={self.eager_fallbacks} "
+            f"opaque_nodes={self.opaque_nodes} trace={self.trace_seconds:.2f}s "
+            f"compile={self.compile_seconds:.2f}s" + (f" fallbacks[{reasons}]" if reasons else "")
+        )
+
+
+STATS = Stats()
+LOCK = threading.RLock()
+
+
+def reset_stats() -> None:
+    global STATS
+    with LOCK:
+        STATS.__init__()

@@ -1,0 +1,64 @@
+"""Shared test helpers: parity with eager through one cache entry."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+import compiled_autograd as ca
+
+
+def grads_of(leaves):
+    return [None if t.grad is None else t.grad.clone() for t in leaves]
+
+
+def assert_grads_equal(got, want, rtol=None, atol=None, what=""):
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if w is None:
+            assert g is None, f"{what} grad {i}: expected None, got a tensor"
+            continue
+        assert g is not None, f"{what} grad {i}: expected a tensor, got None"
+        assert g.shape == w.shape and g.dtype == w.dtype, f"{what} grad {i}: {g.shape}/{g.dtype} vs {w.shape}/{w.dtype}"
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=lambda m: f"{what} grad {i}: {m}")
+
+
+def parity(
+    loss_fn: Callable[..., torch.Tensor],
+    leaves: Sequence[torch.Tensor],
+    make_inputs: Callable[[int], tuple],
+    backend="eager",
+    steps: int = 2,
+    captures: int = 1,
+    rtol=None,
+    atol=None,
+    check_strides: bool = True,
+):
+    """Run `steps` backwards with different inputs, eager then compiled, compare
+    every leaf's grad, and check that only the first compiled one captured."""
+    leaves = list(leaves)
+    start = ca.stats()
+    for step in range(steps):
+        inputs = make_inputs(step)
+        for t in leaves:
+            t.grad = None
+        torch.manual_seed(step)
+        loss_fn(*inputs).backward()
+        want = grads_of(leaves)
+        for t in leaves:
+            t.grad = None
+        torch.manual_seed(step)
+        loss = loss_fn(*inputs)
+        with ca.enable(backend, fullgraph=True):
+            loss.backward()
+        got = grads_of(leaves)
+        assert_grads_equal(got, want, rtol, atol, what=f"step {step}")
+        if check_strides:
+            for i, (t, w) in enumerate(zip(leaves, want)):
+                if w is not None:
+                    assert t.grad.stride() == w.stride(), f"step {step} grad {i}: stride {t.grad.stride()} vs {w.stride()}"
+    end = ca.stats()
+    assert end.eager_fallbacks == start.eager_fallbacks, end.fallback_reasons
+    assert end.captures - start.captures == captures, f"captures: {end}"
+    assert end.hits - start.hits == steps - captures, f"hits: {end}"
