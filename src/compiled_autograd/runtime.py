@@ -30,7 +30,7 @@ from .trace import trace_backward
 log = logging.getLogger("compiled_autograd")
 
 UNUSED_INPUT_ERROR = (
-    "One of the differentiated Tensors appears to not have been used in the graph. "
+    "The differentiated Tensor at index {} appears to not have been used in the graph. "
     "Set allow_unused=True if this is the desired behavior."
 )
 
@@ -205,6 +205,8 @@ def run_backward(
     capture.clear()
     if accumulate_grad:
         return ()
-    if not allow_unused and any(g is None for g in captured):
-        raise RuntimeError(UNUSED_INPUT_ERROR)
+    if not allow_unused:
+        for i, g in enumerate(captured):
+            if g is None:
+                raise RuntimeError(UNUSED_INPUT_ERROR.format(i))
     return tuple(captured)

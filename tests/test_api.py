@@ -1,0 +1,203 @@
+"""The API surface: backward/grad variants, scopes, nesting, threads, fallbacks."""
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+import compiled_autograd as ca
+from helpers import assert_grads_equal
+
+
+def test_ca_backward_and_grad_functions():
+    w = torch.randn(4, 3, requires_grad=True)
+    x = torch.randn(2, 4, requires_grad=True)
+    ref = torch.autograd.grad((x @ w).tanh().sum(), [x, w])
+    got = ca.grad((x @ w).tanh().sum(), [x, w], backend="eager")
+    assert_grads_equal(list(got), list(ref))
+    ca.backward((x @ w).tanh().sum(), backend="eager")
+    assert_grads_equal([x.grad, w.grad], list(ref))
+    s = ca.stats()
+    assert s.captures == 2 and s.eager_fallbacks == 0
+
+
+def test_multiple_roots_with_grad_tensors():
+    a = torch.randn(3, requires_grad=True)
+    b = torch.randn(3, requires_grad=True)
+
+    def roots():
+        return [a * b, (a + b).exp()]
+
+    g = [torch.randn(3), torch.randn(3)]
+    torch.autograd.backward(roots(), g)
+    ref = [a.grad.clone(), b.grad.clone()]
+    a.grad = b.grad = None
+    with ca.enable("eager", fullgraph=True):
+        torch.autograd.backward(roots(), g)
+    assert_grads_equal([a.grad, b.grad], ref)
+
+
+def test_backward_inputs_only_accumulates_into_those():
+    a = torch.randn(3, requires_grad=True)
+    b = torch.randn(3, requires_grad=True)
+    with ca.enable("eager", fullgraph=True):
+        (a * b).sum().backward(inputs=[a])
+    assert b.grad is None
+    torch.testing.assert_close(a.grad, b)
+
+
+def test_grad_with_respect_to_non_leaf():
+    x = torch.randn(3, requires_grad=True)
+    h = x.exp()
+    y = (h * h).sum()
+    with ca.enable("eager", fullgraph=True):
+        (gh,) = torch.autograd.grad(y, h, retain_graph=True)
+    torch.testing.assert_close(gh, 2 * h)
+    assert x.grad is None
+
+
+def test_grad_same_tensor_twice_and_root_as_input():
+    x = torch.randn(3, requires_grad=True)
+    with ca.enable("eager", fullgraph=True):
+        g1, g2 = torch.autograd.grad((x * 3).sum(), [x, x])
+        (gx,) = torch.autograd.grad(x, x, torch.ones(3))
+    torch.testing.assert_close(g1, torch.full((3,), 3.0))
+    torch.testing.assert_close(g2, g1)
+    torch.testing.assert_close(gx, torch.ones(3))
+
+
+def test_enable_scopes_nest_and_disable():
+    x = torch.randn(3, requires_grad=True)
+    with ca.enable("eager"):
+        with ca.disable():
+            x.sin().sum().backward()
+        assert ca.stats().captures == 0
+        with ca.enable("aot_eager"):
+            x.sin().sum().backward()
+        x.sin().sum().backward()
+    x.sin().sum().backward()  # outside: eager, untouched
+    s = ca.stats()
+    assert s.captures == 2 and s.eager_fallbacks == 0
+
+
+def test_enable_is_per_thread():
+    x = torch.randn(3, requires_grad=True)
+    seen = {}
+
+    def other():
+        y = torch.randn(3, requires_grad=True)
+        y.exp().sum().backward()
+        seen["captures"] = ca.stats().captures
+
+    with ca.enable("eager"):
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+    assert seen["captures"] == 0
+
+
+def test_custom_function_falls_back_with_warning_and_reason():
+    class Cube(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x**3
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 3 * x * x * g
+
+    x = torch.randn(3, requires_grad=True)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with ca.enable("eager"):
+            Cube.apply(x).sum().backward()
+            Cube.apply(x).sum().backward()
+    torch.testing.assert_close(x.grad, 6 * x.detach() ** 2)
+    s = ca.stats()
+    assert s.eager_fallbacks == 2 and s.captures == 0
+    assert any("custom autograd.Function" in r for r in s.fallback_reasons)
+    msgs = [str(m.message) for m in w if "compiled_autograd" in str(m.message)]
+    assert len(msgs) == 1, "the warning is shown once per reason"
+
+
+def test_fullgraph_raises_instead_of_falling_back():
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: g * 2)
+    with pytest.raises(ca.CompiledAutogradError, match="hooks"):
+        with ca.enable("eager", fullgraph=True):
+            y.sum().backward()
+
+
+def test_hooks_fall_back_and_nested_backward_inside_hook_compiles():
+    x = torch.randn(3, requires_grad=True)
+    inner = torch.randn(3, requires_grad=True)
+    seen = []
+
+    def hook(g):
+        with torch.enable_grad():  # hooks run with grad mode off, as in eager
+            (gi,) = torch.autograd.grad(inner.exp().sum(), inner)  # a backward inside a hook
+        seen.append(gi)
+        return g * 2
+
+    with ca.enable("eager"):
+        y = x * 3
+        y.register_hook(hook)
+        y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 6.0))
+    torch.testing.assert_close(seen[0], inner.detach().exp())
+    s = ca.stats()
+    assert s.eager_fallbacks == 1 and s.captures == 1  # outer eager (hook), inner compiled
+
+
+def test_create_graph_runs_eagerly():
+    x = torch.randn(3, requires_grad=True)
+    with ca.enable("eager"):
+        (g,) = torch.autograd.grad(x.pow(3).sum(), x, create_graph=True)
+        g.sum().backward()
+    torch.testing.assert_close(x.grad, 6 * x.detach())
+    assert ca.stats().fallback_reasons["create_graph=True"] == 1
+
+
+def test_user_backend_callable_receives_graph():
+    calls = []
+
+    def my_backend(gm, example_inputs):
+        calls.append((gm, len(example_inputs)))
+        return gm
+
+    x = torch.randn(3, requires_grad=True)
+    for _ in range(2):
+        with ca.enable(my_backend, fullgraph=True):
+            x.exp().sum().backward()
+    assert len(calls) == 1 and isinstance(calls[0][0], torch.fx.GraphModule)
+    torch.testing.assert_close(x.grad, 2 * x.detach().exp())
+
+
+def test_failing_backend_falls_back_and_is_not_cached():
+    def broken(gm, example_inputs):
+        raise RuntimeError("backend exploded")
+
+    x = torch.randn(3, requires_grad=True)
+    with ca.enable(broken):
+        x.exp().sum().backward()
+        x.exp().sum().backward()
+    torch.testing.assert_close(x.grad, 2 * x.detach().exp())
+    s = ca.stats()
+    assert s.eager_fallbacks == 2 and s.hits == 0
+    assert "backend exploded" in ca.explain()
+
+
+def test_explain_mentions_each_capture_and_reason():
+    x = torch.randn(3, requires_grad=True)
+    with ca.enable("eager"):
+        x.pow(2).sum().backward()
+        x.pow(3).sum().backward()
+        x.exp().sum().backward()
+    text = ca.explain()
+    assert "first backward" in text
+    assert "different constants" in text
+    assert "new graph structure" in text
