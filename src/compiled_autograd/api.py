@@ -23,6 +23,7 @@ from . import config as _config
 from .cache import CACHE
 from .config import BackendLike, Config
 from .runtime import reset_runtime, run_backward
+from .trace import is_tracing
 from .stats import LOCK, STATS, Stats, reset_stats
 
 _eager_engine_run_backward = torch.autograd._engine_run_backward
@@ -52,6 +53,10 @@ def _routed_engine_run_backward(
         *args,
         **kwargs,
     )
+    if is_tracing():
+        # a custom Function's backward that runs a backward itself (reentrant
+        # checkpointing) cannot be traced: it will run opaquely instead
+        raise RuntimeError("compiled_autograd: backward() called while tracing a backward")
     if cfg is None or args or kwargs:
         return eager()
     return run_backward(

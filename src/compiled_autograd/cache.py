@@ -14,6 +14,8 @@ from typing import Callable, Hashable
 
 import torch
 
+from .trace import Plan
+
 
 @dataclass(frozen=True)
 class CompiledBackward:
@@ -21,6 +23,7 @@ class CompiledBackward:
 
     fn: Callable
     graph: torch.fx.GraphModule
+    plan: "Plan"
     backend: str
     node_names: tuple[str, ...]
     num_inputs: int

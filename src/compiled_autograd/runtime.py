@@ -25,7 +25,9 @@ from .backends import compile_graph
 from .cache import CACHE, CompiledBackward
 from .config import Config
 from .stats import LOCK, STATS
-from .trace import trace_backward
+from . import ops
+from .collect import collect
+from .trace import capture_backward
 
 log = logging.getLogger("compiled_autograd")
 
@@ -113,21 +115,22 @@ def _fall_back(cfg: Config, reason: str, eager: Callable[[], Any], user_error: b
     return result
 
 
-def _capture_and_compile(cfg: Config, capture, lifted, key) -> CompiledBackward:
-    names = tuple(capture.node_names())
+def _capture_and_compile(cfg: Config, collected, key) -> CompiledBackward:
     t0 = time.perf_counter()
-    gm = trace_backward(capture, lifted)
+    gm, plan = capture_backward(collected)
     t1 = time.perf_counter()
+    names = tuple(n[0] for n in collected.capture.nodes())
     log.info("compiling a backward graph of %d nodes with %s", len(names), cfg.backend_name)
-    fn = compile_graph(cfg.backend, gm, lifted)
+    fn = compile_graph(cfg.backend, gm, collected.lifted)
     t2 = time.perf_counter()
     reason = _why_new(key, names)
     entry = CompiledBackward(
         fn=fn,
         graph=gm,
+        plan=plan,
         backend=cfg.backend_name,
         node_names=names,
-        num_inputs=len(lifted),
+        num_inputs=len(collected.lifted),
         reason=reason,
         trace_seconds=t1 - t0,
         compile_seconds=t2 - t1,
@@ -137,8 +140,8 @@ def _capture_and_compile(cfg: Config, capture, lifted, key) -> CompiledBackward:
         STATS.trace_seconds += t1 - t0
         STATS.compile_seconds += t2 - t1
     _capture_log.append(
-        dict(reason=reason, nodes=len(names), backend=cfg.backend_name,
-             trace_seconds=t1 - t0, compile_seconds=t2 - t1, inputs=len(lifted))
+        dict(reason=reason, nodes=len(names), backend=cfg.backend_name, opaque=[o[1:] for o in plan.opaque],
+             trace_seconds=t1 - t0, compile_seconds=t2 - t1, inputs=len(collected.lifted))
     )
     log.info("captured %d nodes (%s): trace %.2fs, compile %.2fs", len(names), reason, t1 - t0, t2 - t1)
     return entry
@@ -151,6 +154,22 @@ def _why_new(key, names) -> str:
     if any(e.node_names == names for e in same_backend):
         return "same nodes as a cached graph, different constants, sizes or tensor metadata"
     return "new graph structure"
+
+
+def _replay(entry: CompiledBackward, capture, lifted):
+    with ops.replaying(capture, entry.plan.slots), torch.no_grad():
+        return list(entry(lifted))
+
+
+def _apply(entry: CompiledBackward, capture, results: list):
+    """Apply a graph's results with eager semantics; return grad()'s results."""
+    plan = entry.plan
+    acc = []
+    for node, r, f in plan.accumulate:
+        if f < 0 or bool(results[f]):
+            acc.append((node, r))
+    captured = [r if (f < 0 or bool(results[f])) else -1 for r, f in plan.captured]
+    return capture.apply_results(results, acc, captured)
 
 
 def run_backward(
@@ -171,35 +190,41 @@ def run_backward(
     C = native.load()
     try:
         capture = C.GraphCapture(list(roots), list(grads), list(inputs), accumulate_grad)
+        if capture.unsupported:
+            return _fall_back(cfg, capture.unsupported, eager)
+        collected = collect(capture)
     except RuntimeError as e:
         # misuse (freed graph, modified saved tensor): eager raises the same error
         return _fall_back(cfg, f"collection error: {str(e).splitlines()[0][:120]}", eager, user_error=True)
-    if capture.unsupported:
-        return _fall_back(cfg, capture.unsupported, eager)
 
-    key = (cfg.backend if not isinstance(cfg.backend, str) else cfg.backend, _global_state(), capture.key())
-    lifted = capture.lifted()
+    key = (cfg.backend, _global_state(), collected.key)
+    lifted = collected.lifted
     entry = CACHE.get(key)
     try:
         if entry is None:
-            entry = _capture_and_compile(cfg, capture, lifted, key)
-            with torch.no_grad():
-                outs = entry(lifted)
+            entry = _capture_and_compile(cfg, collected, key)
+            results = _replay(entry, capture, lifted)
             CACHE.put(key, entry, cfg.cache_size_limit)  # only graphs that ran
         else:
             with LOCK:
                 STATS.hits += 1
-            with torch.no_grad():
-                outs = entry(lifted)
-    except Exception as e:  # capture, compile or run failed: nothing was applied yet
+            results = _replay(entry, capture, lifted)
+    except Exception as e:
+        if entry is not None and entry.plan.slots:
+            raise  # opaque calls (hooks, nodes) may have run: never run the backward twice
         if cfg.fullgraph:
             raise
         capture.clear()
         log.debug("capture failed", exc_info=True)
         return _fall_back(cfg, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}", eager)
-    del lifted
-    captured = capture.apply_outputs(list(outs))
-    del outs
+    if entry.plan.opaque:
+        with LOCK:
+            STATS.opaque_nodes += len(entry.plan.opaque)
+            for _, name, why in entry.plan.opaque:
+                STATS.opaque_reasons[f"{name}: {why}"] += 1
+    del lifted, collected
+    captured = _apply(entry, capture, results)
+    del results
     if not keep_graph:
         capture.release()
     capture.clear()

@@ -14,7 +14,8 @@ class Stats:
     captures:        graphs traced and compiled (cache misses that compiled)
     hits:            backwards served by a cached compiled graph
     eager_fallbacks: backwards that ran in eager autograd instead
-    opaque_nodes:    nodes run eagerly inside a compiled graph
+    opaque_nodes:    nodes run eagerly inside a compiled graph (per backward run)
+    opaque_reasons:  Counter of "node: reason" -> runs
     fallback_reasons: Counter of reason -> number of eager fallbacks
     trace_seconds / compile_seconds: time spent capturing and compiling
     """
@@ -24,6 +25,7 @@ class Stats:
     eager_fallbacks: int = 0
     opaque_nodes: int = 0
     fallback_reasons: Counter = field(default_factory=Counter)
+    opaque_reasons: Counter = field(default_factory=Counter)
     trace_seconds: float = 0.0
     compile_seconds: float = 0.0
 
@@ -34,6 +36,7 @@ class Stats:
             eager_fallbacks=self.eager_fallbacks,
             opaque_nodes=self.opaque_nodes,
             fallback_reasons=Counter(self.fallback_reasons),
+            opaque_reasons=Counter(self.opaque_reasons),
             trace_seconds=self.trace_seconds,
             compile_seconds=self.compile_seconds,
         )

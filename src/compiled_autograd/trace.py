@@ -1,24 +1,366 @@
-"""Capture: trace one whole backward into a torch.fx graph of aten ops.
+"""Capture: trace one whole backward into a torch.fx graph.
 
-The native `GraphCapture.trace` walks the nodes in engine order and calls each
-node's real backward formula with its saved tensors swapped for the fake
-tensors make_fx hands us; the aten ops they run are recorded here.
+The loop below is the eager engine's, run on fake tensors under make_fx: nodes
+in engine order (the native collector computed it), gradients summed per input
+in arrival order, then per node: tensor pre-hooks and retain_grad, pre-hooks,
+the node, validate_outputs, post-hooks. What each step becomes in the graph:
+
+  built-in node          its real C++ formula (apply_with_saved), as aten ops
+  custom Function        its Python backward, traced, with ctx.saved_tensors
+                         and tensor ctx attributes swapped for the fakes
+  opaque node / hooks    one compiled_autograd::call (see NOTE [Opaque calls])
+  AccumulateGrad         a graph result, applied after the graph; or, when
+                         hooks or opaque nodes could observe `.grad`, an
+                         opaque call at its eager position
+
+NOTE [Undefined grads of opaque nodes]
+An opaque node's output that its edge expects is predicted defined. If at
+replay it is undefined, the call returns zeros and a False flag; values carry
+the flags they depend on ("defined iff any of these flags") through nodes and
+sums, and a graph result carrying flags gets a definedness output, so a leaf
+whose only gradient was undefined still ends with `.grad is None` as in eager.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import threading
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from . import ops
+from .collect import PYNODE_KIND, Collected
 
-def trace_backward(capture, lifted: Sequence[torch.Tensor]) -> torch.fx.GraphModule:
-    def backward_graph(*args):
-        return capture.trace(list(args))
+ACCUMULATE_KIND = 1
 
-    with torch.no_grad():
-        gm = make_fx(backward_graph, tracing_mode="fake", _allow_non_fake_inputs=False)(*lifted)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return gm
+
+@dataclass(frozen=True)
+class Plan:
+    """How to run and apply one captured graph (part of its cache entry)."""
+
+    slots: tuple  # (kind, node index, output mask) per opaque call
+    accumulate: tuple  # (node index, result index, flag result index or -1), applied after the graph
+    captured: tuple  # (result index or -1, flag result index or -1) per grad() input
+    opaque: tuple  # (node index, node name, reason)
+    num_results: int
+
+
+class NeedsOpaque(Exception):
+    def __init__(self, idx: int, reason: str):
+        super().__init__(reason)
+        self.idx = idx
+        self.reason = reason
+
+
+class _Tracing(threading.local):
+    active = False
+
+
+_tracing = _Tracing()
+
+
+def is_tracing() -> bool:
+    return _tracing.active
+
+
+class _Value:
+    """A gradient flowing in the traced graph and what its definedness depends on."""
+
+    __slots__ = ("t", "bits")
+
+    def __init__(self, t, bits=None):
+        self.t = t
+        self.bits = bits  # None: defined; else tuple of (flag tensor, position)
+
+
+def _sum(a: _Value | None, b: _Value | None) -> _Value | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    bits = None if a.bits is None or b.bits is None else a.bits + b.bits
+    return _Value(a.t + b.t, bits)
+
+
+def _meta(t):
+    return (list(t.shape), t.dtype, str(t.device))
+
+
+class _BackwardTracer:
+    def __init__(self, collected: Collected, opaque_extra: dict[int, str]):
+        self.c = collected
+        self.capture = collected.capture
+        self.nodes = self.capture.nodes()
+        self.opaque_extra = opaque_extra
+        self.slots: list = []
+        self.results: list = []
+        self.accumulate: list = []
+        self.in_graph_accumulate = any(self._is_opaque(i) or any(n[7][:4]) or n[7][4] for i, n in enumerate(self.nodes))
+
+    def _is_opaque(self, idx) -> bool:
+        n = self.nodes[idx]
+        if n[3] or idx in self.opaque_extra:
+            return True
+        info = self.c.pynodes.get(idx)
+        return info is not None and info.opaque_reason is not None
+
+    def opaque_reason(self, idx) -> str:
+        n = self.nodes[idx]
+        if n[3]:
+            return n[4]
+        if idx in self.opaque_extra:
+            return self.opaque_extra[idx]
+        return self.c.pynodes[idx].opaque_reason
+
+    # -- graph results -------------------------------------------------------
+    def _result(self, v: _Value | None) -> tuple[int, int]:
+        if v is None:
+            return -1, -1
+        self.results.append(v.t)
+        r = len(self.results) - 1
+        if v.bits is None:
+            return r, -1
+        self.results.append(self._defined(v.bits))
+        return r, len(self.results) - 1
+
+    @staticmethod
+    def _defined(bits):
+        return torch.stack([flag[pos] for flag, pos in bits]).any()
+
+    # -- opaque calls --------------------------------------------------------
+    def _call(self, kind, node, args, out_metas, flags=False):
+        """One compiled_autograd::call; returns the outputs positionally (None where not predicted)."""
+        mask = tuple(m is not None for m in out_metas)
+        slot = len(self.slots)
+        self.slots.append((kind, node, mask))
+        metas = [m for m in out_metas if m is not None]
+        sizes, ranks, dtypes, devices = [], [], [], []
+        for shape, dtype, device in metas:
+            sizes.extend(shape)
+            ranks.append(len(shape))
+            dtypes.append(ops._DTYPE_CODE[dtype])
+            devices.append(ops.device_code(device))
+        outs = torch.ops.compiled_autograd.call(slot, list(args), sizes, ranks, dtypes, devices, flags)
+        flag = outs[-1] if flags else None
+        it = iter(outs)
+        positional = [next(it) if m else None for m in mask]
+        return positional, flag
+
+    def _hook_call(self, kind, idx, values: list):
+        tensors = [v.t if v is not None else None for v in values]
+        outs, _ = self._call(kind, idx, tensors, [_meta(t) if t is not None else None for t in tensors])
+        return [None if o is None else _Value(o, v.bits) for o, v in zip(outs, values)]
+
+    # -- the loop -------------------------------------------------------------
+    def run(self, args):
+        c, capture = self.c, self.capture
+        capture.begin_trace(list(args[: c.n_native]), [args[i] for i in c.unpacked])
+        try:
+            return self._run(args)
+        finally:
+            capture.end_trace()
+
+    def _run(self, args):
+        capture = self.capture
+        buffers: dict[int, list] = {}
+
+        def add(idx, nr, v: _Value | None):
+            if idx < 0 or v is None:
+                return
+            buf = buffers.setdefault(idx, [None] * self.nodes[idx][8])
+            buf[nr] = _sum(buf[nr], v)
+
+        roots = capture.roots()
+        root_vals = capture.root_values([args[g] if g >= 0 else None for _, _, g in roots])
+        for (idx, nr, _), t in zip(roots, root_vals):
+            add(idx, nr, None if t is None else _Value(t))
+
+        captured = [(-1, -1)] * capture.num_results()
+        for idx, node in enumerate(self.nodes):
+            name, kind, execute, _, _, edges, caps, hooks, n_inputs = node
+            n_tensor_pre, n_retains, n_pre, n_post, post_acc = hooks
+            values = buffers.pop(idx, [None] * n_inputs)
+            if n_tensor_pre or n_retains:
+                values = self._hook_call(ops.TENSOR_PRE_HOOKS, idx, values)
+            for nr, out_idx in caps:
+                captured[out_idx] = self._result(values[nr])
+            if not execute:
+                continue
+            if n_pre:
+                values = self._hook_call(ops.PRE_HOOKS, idx, values)
+            in_bits = self._input_bits(values)
+            if kind == ACCUMULATE_KIND:
+                self._accumulate(idx, values[0])
+                outputs = []
+            else:
+                outputs = self._apply(idx, kind, values, args)
+                outputs = [None if o is None else (o if isinstance(o, _Value) else _Value(o, in_bits)) for o in outputs]
+            if n_post:
+                outputs = self._post_hooks(idx, outputs, values)
+            for (to, nr), v in zip(edges, outputs):
+                add(to, nr, v)
+        return self.results, captured
+
+    @staticmethod
+    def _input_bits(values):
+        defined = [v for v in values if v is not None]
+        if not defined or any(v.bits is None for v in defined):
+            return None
+        return tuple(b for v in defined for b in v.bits)
+
+    def _accumulate(self, idx, v: _Value | None):
+        if self.in_graph_accumulate:
+            if v is not None:
+                args = [v.t] + ([self._defined(v.bits)] if v.bits is not None else [])
+                self._call(ops.ACCUMULATE, idx, args, [])
+        else:
+            r, f = self._result(v)
+            if r >= 0:
+                self.accumulate.append((idx, r, f))
+
+    def _post_hooks(self, idx, outputs, inputs):
+        outs_t = [v.t if v is not None else None for v in outputs]
+        ins_t = [v.t if v is not None else None for v in inputs]
+        new, _ = self._call(ops.POST_HOOKS, idx, outs_t + ins_t, [_meta(t) if t is not None else None for t in outs_t])
+        return [None if o is None else _Value(o, v.bits) for o, v in zip(new, outputs)]
+
+    def _apply(self, idx, kind, values, args):
+        if self._is_opaque(idx):
+            return self._opaque_node(idx, values)
+        tensors = [v.t if v is not None else None for v in values]
+        if kind == PYNODE_KIND:
+            return self._pynode(idx, tensors, args)
+        return self.capture.apply_node(idx, tensors)
+
+    def _opaque_node(self, idx, values):
+        edges = self.nodes[idx][5]
+        metas = []
+        for to, nr in edges:
+            m = None
+            if to >= 0:
+                md = self.capture.input_metadata(to)[nr]
+                if md is not None:
+                    shape, dtype, device = md
+                    m = (list(shape), dtype, device)
+            metas.append(m)
+        tensors = [v.t if v is not None else None for v in values]
+        outs, flag = self._call(ops.NODE, idx, tensors, metas, flags=True)
+        result, k = [], 0
+        for o in outs:
+            if o is None:
+                result.append(None)
+            else:
+                result.append(_Value(o, ((flag, k),)))
+                k += 1
+        return result
+
+    def _pynode(self, idx, grads, args):
+        info = self.c.pynodes[idx]
+        capture = self.capture
+        node = capture.node_object(idx)
+        materialize, materialize_non_diff, _, is_variable_input = info.flags
+        metas = capture.input_metadata(idx)
+        inputs = []
+        for g, m in zip(grads, metas):
+            if g is None and materialize:
+                if m is None:
+                    if materialize_non_diff:
+                        raise NeedsOpaque(idx, "materialized grad of a non-differentiable output")
+                else:
+                    shape, dtype, device = m
+                    g = torch.zeros(shape, dtype=dtype, device=device)
+            inputs.append(g)
+        capture_swap = None
+        originals = {}
+        try:
+            from . import native
+
+            capture_swap = native.load().PyNodeSavedSwap(node, [args[i] for i in info.saved if i >= 0])
+            for name, value in info.attrs:
+                originals[name] = value
+                setattr(node, name, _rebuild(value, self.c, args))
+            _tracing.active = True
+            try:
+                out = node.apply(*inputs)
+            finally:
+                _tracing.active = False
+        except NeedsOpaque:
+            raise
+        except Exception as e:
+            raise NeedsOpaque(idx, f"{node.name()} backward not traceable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+        finally:
+            for name, value in originals.items():
+                setattr(node, name, value)
+            if capture_swap is not None:
+                capture_swap.restore()
+        if not isinstance(out, tuple):
+            out = (out,)
+        n_forward = len(is_variable_input)
+        if len(out) > n_forward and all(o is None for o in out[n_forward:]):
+            out = out[:n_forward]
+        if len(out) != n_forward:
+            raise NeedsOpaque(idx, "backward returned a wrong number of gradients")
+        results = []
+        for o, is_var in zip(out, is_variable_input):
+            if not is_var:
+                if o is not None:
+                    raise NeedsOpaque(idx, "gradient for a non-tensor input")
+                continue
+            if o is not None and not isinstance(o, torch.Tensor):
+                raise NeedsOpaque(idx, "backward returned a non-tensor")
+            results.append(o)
+        return capture.validate(idx, results)
+
+
+def _rebuild(value, collected: Collected, args):
+    """A ctx attribute with its (real) tensors replaced by the tracer's fakes."""
+    lifted_index = {id(t): i for i, t in enumerate(collected.lifted)}
+
+    def go(v):
+        if isinstance(v, torch.Tensor):
+            return args[lifted_index[id(v)]]
+        if isinstance(v, (tuple, list)):
+            return type(v)(go(x) for x in v)
+        if isinstance(v, dict):
+            return {k: go(x) for k, x in v.items()}
+        return v
+
+    return go(value)
+
+
+def capture_backward(collected: Collected) -> tuple[torch.fx.GraphModule, Plan]:
+    """Trace the whole backward; nodes that cannot be traced become opaque."""
+    opaque_extra: dict[int, str] = {}
+    for _ in range(len(collected.pynodes) + 1):
+        tracer = _BackwardTracer(collected, opaque_extra)
+        out: dict[str, Any] = {}
+
+        def backward_graph(*args):
+            results, captured = tracer.run(args)
+            out["captured"] = captured
+            return results
+
+        try:
+            with torch.no_grad():
+                gm = make_fx(backward_graph, tracing_mode="fake", _allow_non_fake_inputs=False)(*collected.lifted)
+        except NeedsOpaque as e:
+            opaque_extra[e.idx] = e.reason
+            continue
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        opaque = tuple(
+            (i, tracer.nodes[i][0], tracer.opaque_reason(i))
+            for i in range(len(tracer.nodes))
+            if tracer.nodes[i][2] and tracer._is_opaque(i)
+        )
+        plan = Plan(
+            slots=tuple(tracer.slots),
+            accumulate=tuple(tracer.accumulate),
+            captured=tuple(out["captured"]),
+            opaque=opaque,
+            num_results=len(tracer.results),
+        )
+        return gm, plan
+    raise RuntimeError("compiled_autograd: could not trace this backward")

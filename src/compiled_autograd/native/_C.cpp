@@ -1,26 +1,32 @@
 // compiled_autograd native helper.
 //
 // What Python cannot do with torch 2.13's autograd graph, this file does:
-//   * walk the graph in the exact order the eager engine would run it,
-//   * ask every node for ALL of its state (including the fields Python cannot
-//     see: TypeAndSize, ScalarType, TensorGeometry, CopySlices' view geometry,
-//     Cat's per-input sizes, ...) through the node's own `compiled_args`
-//     visitor, and turn that into one cache key,
-//   * trace every node's real backward formula by calling `apply_with_saved`
-//     with its saved tensors swapped for fake/proxy tensors,
-//   * apply the outputs with eager semantics (AccumulateGrad itself), and free
-//     the graph like the engine does.
+//   collect  walk the graph in the exact order the eager engine runs it, and
+//            ask every node for ALL of its state through the node's own
+//            `compiled_args` visitor -- including the fields Python cannot see
+//            (TypeAndSize, ScalarType, TensorGeometry, CopySlices' view
+//            geometry, Cat's per-input sizes, Foreach nodes) -- into one key;
+//   trace    run one node's real backward formula (`apply_with_saved`) with
+//            its saved tensors swapped for the tracer's fake tensors;
+//   replay   call, on real tensors, what the compiled graph cannot contain:
+//            hooks (Python or C++), opaque nodes, AccumulateGrad; free the
+//            graph like the engine does.
+// The Python side (trace.py, runtime.py) drives these per node.
 //
 // NOTE [One key per graph]
-// Every node contributes [type id][its compiled_args bytes][edges + input
-// metadata]. Lifted tensors contribute their id inside that stream plus, at the
-// end, their full geometry (sizes, strides, offset, dtype, flags). Sizes that
-// nodes save (SymInts) are appended as static values. A traced graph can only
-// depend on what is in this stream, because tracing reads nothing else: the
-// node formula sees its saved values (all collected), its grads (shapes fixed
-// by the edge metadata and the lifted tensors) and nothing more.
+// Every node contributes [type id][kind][hook counts][its compiled_args
+// bytes][edges + the input metadata of the nodes they feed]. Lifted tensors
+// contribute their id inside that stream and, at the end, their full geometry
+// (sizes, strides, offset, dtype, flags). Sizes that nodes save (SymInts) are
+// appended as static values. A traced node can only depend on what is in this
+// stream: its formula reads its saved values (all collected), its grads (whose
+// metadata is fixed by edges and lifted tensors), and nothing else. Nodes that
+// run opaquely never bake anything: the graph depends only on their output
+// metadata, which is the edge metadata already in the key.
 
 #include <torch/extension.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
@@ -28,11 +34,11 @@
 #include <torch/csrc/autograd/functions/tensor.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
+#include <torch/csrc/autograd/python_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/dynamo/compiled_autograd.h>
 
-#include <chrono>
 #include <queue>
 #include <typeindex>
 #include <unordered_map>
@@ -41,7 +47,6 @@
 namespace py = pybind11;
 namespace cad = torch::dynamo::autograd;
 using torch::autograd::AccumulateGrad;
-using torch::autograd::CopySlices;
 using torch::autograd::Edge;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
@@ -49,23 +54,61 @@ using torch::autograd::variable_list;
 namespace compiled_autograd_native {
 
 // ---------------------------------------------------------------------------
-// Node functionals. Each generated node binds its pure backward function the
-// first time its `apply_with_saved` runs in this process; we keep them here
-// and call them directly while tracing, so the aten ops they run are recorded
-// by the Python tracing modes that are active on this thread.
+// Node kinds, decided once per C++ type
+// ---------------------------------------------------------------------------
+enum Kind : uint8_t {
+  GENERIC = 0, // a node implementing compiled_args/apply_with_saved
+  ACCUMULATE = 1, // AccumulateGrad
+  PYNODE = 2, // custom autograd.Function (traced by Python)
+  OPAQUE = 3, // always run eagerly inside the graph
+};
+
+struct TypeInfo {
+  uint16_t id;
+  Kind kind;
+};
+
+static const TypeInfo& type_info_of(const Node& node) {
+  static std::unordered_map<std::type_index, TypeInfo> infos;
+  auto it = infos.find(std::type_index(typeid(node)));
+  if (it != infos.end()) {
+    return it->second;
+  }
+  std::string mangled = typeid(node).name();
+  Kind kind = GENERIC;
+  if (dynamic_cast<const AccumulateGrad*>(&node)) {
+    kind = ACCUMULATE;
+  } else if (mangled.find("PyNode") != std::string::npos) {
+    kind = PYNODE;
+  } else if (mangled.find("CppNode") != std::string::npos) {
+    kind = OPAQUE; // C++ custom Functions: state not reachable, run as is
+  }
+  TypeInfo info{static_cast<uint16_t>(infos.size()), kind};
+  return infos.emplace(std::type_index(typeid(node)), info).first->second;
+}
+
+template <typename T>
+static void append_pod(std::string& out, const T& v) {
+  out.append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+
+// ---------------------------------------------------------------------------
+// Tracing interface. Each generated node binds its pure backward function the
+// first time its `apply_with_saved` runs in this process; we keep them and
+// call them directly while tracing, so the aten ops they run are recorded by
+// the Python tracing modes active on this thread.
 // ---------------------------------------------------------------------------
 static std::unordered_map<std::string, cad::functional_apply_t>& functionals() {
   static std::unordered_map<std::string, cad::functional_apply_t> table;
   return table;
 }
 
-static std::vector<at::Tensor> copy_slices_prologue(
+static variable_list copy_slices_prologue(
     const variable_list& inputs,
     const at::TensorGeometry& base,
     const at::TensorGeometry& view) {
   const at::Tensor& grad = inputs[0];
   TORCH_CHECK(grad.defined(), "CopySlices: undefined grad");
-
   auto result = grad.new_empty_strided_symint(base.sym_sizes(), base.sym_strides());
   result.copy_(grad);
   auto offset = view.sym_storage_offset() - base.sym_storage_offset();
@@ -98,9 +141,10 @@ static variable_list copy_slices_epilogue(
 // swaps them back. If we threw from inside, the swap-back would be skipped and
 // the user's graph would keep our proxies. So the interface never throws: it
 // records the first error, returns undefined grads for the rest of the node,
-// and GraphCapture::trace raises it once the node has restored its state.
+// and apply_node raises it once the node has restored its state.
 struct TraceInterface : public cad::PyCompilerInterface {
   mutable std::string error;
+  const std::vector<at::Tensor>* unpacked = nullptr; // proxies of unpacked saved tensors
 
   std::string bind_function(
       PyObject* /*py_compiler*/,
@@ -165,37 +209,23 @@ struct TraceInterface : public cad::PyCompilerInterface {
       return copy_slices_epilogue(needs_input_grad, result, res, grad_slice);
     });
   }
+
+  at::Tensor call_unpack(
+      PyObject* /*py_compiler*/,
+      std::optional<size_t> /*hook_id*/,
+      size_t hook_input_id) const override {
+    if (!error.empty()) {
+      return at::Tensor();
+    }
+    if (unpacked == nullptr || hook_input_id >= unpacked->size()) {
+      error = "saved tensor unpacked by a hook was not collected";
+      return at::Tensor();
+    }
+    return (*unpacked)[hook_input_id];
+  }
 };
 
-// ---------------------------------------------------------------------------
-// Helpers
-// ---------------------------------------------------------------------------
-static uint16_t type_id_of(const Node& node) {
-  static std::unordered_map<std::type_index, uint16_t> ids;
-  auto [it, inserted] = ids.try_emplace(std::type_index(typeid(node)), ids.size());
-  return it->second;
-}
-
-template <typename T>
-static void append_pod(std::string& out, const T& v) {
-  out.append(reinterpret_cast<const char*>(&v), sizeof(T));
-}
-
-static bool is_accumulate_grad(const Node* node) {
-  return dynamic_cast<const AccumulateGrad*>(node) != nullptr;
-}
-
-static std::string demangled_kind(const Node& node) {
-  // the mangled type name is enough to recognise the handwritten node kinds
-  return typeid(node).name();
-}
-
-static bool has_hooks(Node* node) {
-  return !node->tensor_pre_hooks().empty() || !node->pre_hooks().empty() ||
-      !node->post_hooks().empty() || !node->retains_grad_hooks().empty();
-}
-
-// Priority order of the engine's CPU ready queue: larger sequence_nr first
+// Priority of the engine's CPU ready queue: larger sequence_nr first
 // (AccumulateGrad has UINT64_MAX). Same comparator and same push order as the
 // engine, so std::priority_queue pops in the same order.
 struct ReadyEntry {
@@ -208,11 +238,37 @@ struct CompareReady {
   }
 };
 
-struct Capture {
-  size_t node_index; // index into order
-  uint32_t input_nr;
-  size_t output_idx;
+struct NodeRecord {
+  c10::intrusive_ptr<Node> fn;
+  Kind kind = GENERIC;
+  bool execute = true;
+  bool opaque = false;
+  std::string opaque_reason;
+  size_t size_start = 0;
+  // (index in order, input_nr); index -1: not run in this backward; -2: invalid edge
+  std::vector<std::pair<int64_t, uint32_t>> edges;
+  std::vector<std::pair<uint32_t, size_t>> captures; // (input_nr, result index)
+  uint16_t n_tensor_pre = 0, n_retains = 0, n_pre = 0, n_post = 0;
+  bool post_acc = false;
 };
+
+static variable_list to_variables(const std::vector<std::optional<at::Tensor>>& xs) {
+  variable_list out;
+  out.reserve(xs.size());
+  for (auto& x : xs) {
+    out.emplace_back(x.has_value() ? *x : at::Tensor());
+  }
+  return out;
+}
+
+static std::vector<std::optional<at::Tensor>> from_variables(const variable_list& xs) {
+  std::vector<std::optional<at::Tensor>> out;
+  out.reserve(xs.size());
+  for (auto& x : xs) {
+    out.emplace_back(x.defined() ? std::optional<at::Tensor>(x) : std::nullopt);
+  }
+  return out;
+}
 
 // ---------------------------------------------------------------------------
 // GraphCapture: everything collected for one backward call
@@ -239,162 +295,297 @@ class GraphCapture {
     return call_.tensor_args.inputs;
   }
 
-  std::vector<std::string> node_names() const {
-    std::vector<std::string> names;
-    names.reserve(order_.size());
-    for (auto& n : order_) {
-      names.push_back(n->name());
-    }
-    return names;
-  }
-
   size_t num_nodes() const {
-    return order_.size();
+    return nodes_.size();
   }
 
-  size_t num_accumulate() const {
-    return accumulate_nodes_.size();
+  size_t num_results() const {
+    return num_results_;
   }
 
-  size_t num_captures() const {
-    return num_captures_;
+  // One tuple per node in execution order:
+  // (name, kind, execute, opaque, opaque_reason, edges, captures,
+  //  (n_tensor_pre, n_retains, n_pre, n_post, post_acc), num_inputs)
+  py::list nodes() const {
+    py::list out;
+    for (auto& r : nodes_) {
+      py::list edges;
+      for (auto& [i, nr] : r.edges) {
+        edges.append(py::make_tuple(i, nr));
+      }
+      py::list caps;
+      for (auto& [nr, o] : r.captures) {
+        caps.append(py::make_tuple(nr, o));
+      }
+      out.append(py::make_tuple(
+          r.fn->name(),
+          static_cast<int>(r.kind),
+          r.execute,
+          r.opaque,
+          r.opaque_reason,
+          edges,
+          caps,
+          py::make_tuple(r.n_tensor_pre, r.n_retains, r.n_pre, r.n_post, r.post_acc),
+          r.fn->num_inputs()));
+    }
+    return out;
   }
 
-  // Trace the whole backward with `proxies` standing in for the lifted tensors.
-  // Must be called with the Python tracing modes active. Returns the graph
-  // outputs: one grad per AccumulateGrad node (in execution order), then one
-  // per captured input.
-  variable_list trace(const std::vector<at::Tensor>& proxies) {
+  std::string node_name(size_t idx) const {
+    return nodes_.at(idx).fn->name();
+  }
+
+  // executed custom Function nodes (their state is collected by Python)
+  std::vector<size_t> pynode_indices() const {
+    std::vector<size_t> out;
+    for (size_t i = 0; i < nodes_.size(); ++i) {
+      if (nodes_[i].kind == PYNODE && nodes_[i].execute) {
+        out.push_back(i);
+      }
+    }
+    return out;
+  }
+
+  py::object node_object(size_t idx) const {
+    return py::reinterpret_steal<py::object>(
+        torch::autograd::functionToPyObject(nodes_.at(idx).fn));
+  }
+
+  // (node index, input_nr) of each root, and the lifted index of its grad (-1: none)
+  py::list roots() {
+    py::list out;
+    for (size_t i = 0; i < root_edges_.size(); ++i) {
+      auto& e = root_edges_[i];
+      auto it = index_of_.find(e.function.get());
+      int64_t idx = it == index_of_.end() ? -1 : static_cast<int64_t>(it->second);
+      int64_t g = -1;
+      if (root_grads_[i].defined()) {
+        g = static_cast<int64_t>(call_.tensor_args.lookup(root_grads_[i]).index());
+      }
+      out.append(py::make_tuple(idx, e.input_nr, g));
+    }
+    return out;
+  }
+
+  // (metadata of each input of node idx): (shape, dtype, device) or None
+  py::list input_metadata(size_t idx) const {
+    py::list out;
+    auto& fn = nodes_.at(idx).fn;
+    for (uint32_t i = 0; i < fn->num_inputs(); ++i) {
+      const auto& m = fn->input_metadata(i);
+      if (m.was_default_constructed()) {
+        out.append(py::none());
+        continue;
+      }
+      std::vector<int64_t> shape;
+      for (auto& s : m.shape_as_dim_vector()) {
+        shape.push_back(s.guard_int(__FILE__, __LINE__));
+      }
+      auto dtype = py::reinterpret_borrow<py::object>(
+          reinterpret_cast<PyObject*>(torch::getTHPDtype(m.dtype().toScalarType())));
+      out.append(py::make_tuple(shape, dtype, m.device().str()));
+    }
+    return out;
+  }
+
+  // Python objects stored with saved tensors that carry saved_tensors_hooks:
+  // [(unpack_hook, packed)] in the order apply_with_saved will ask for them.
+  py::list saved_hooks() const {
+    py::list out;
+    auto* interp = getPyInterpreter();
+    std::vector<std::pair<size_t, size_t>> pairs;
+    for (auto& [sv, ids] : call_.sv_to_hooks) {
+      pairs.push_back(ids);
+    }
+    std::sort(pairs.begin(), pairs.end(), [](auto& a, auto& b) { return a.second < b.second; });
+    for (auto& [hook_id, input_id] : pairs) {
+      out.append(py::make_tuple(
+          py::reinterpret_borrow<py::object>(call_.hooks.at(hook_id).ptr(interp)),
+          py::reinterpret_borrow<py::object>(call_.packed_inputs.at(input_id).ptr(interp))));
+    }
+    return out;
+  }
+
+  // PyNode flags Python cannot read: (materialize_grads,
+  // materialize_non_diff_grads, boxed_grads_call, is_variable_input)
+  py::tuple pynode_flags(size_t idx) const {
+    auto obj = node_object(idx);
+    TORCH_CHECK(THPFunction_Check(obj.ptr()), "not a custom Function node");
+    auto* f = reinterpret_cast<THPFunction*>(obj.ptr());
+    return py::make_tuple(
+        f->materialize_grads, f->materialize_non_diff_grads, f->boxed_grads_call,
+        f->is_variable_input);
+  }
+
+  // ---- trace services (called with the Python tracing modes active) -------
+
+  void begin_trace(
+      const std::vector<at::Tensor>& proxies,
+      const std::vector<at::Tensor>& unpacked_proxies) {
     auto& args = call_.tensor_args;
     TORCH_CHECK(proxies.size() == args.inputs.size(), "proxy count mismatch");
     for (size_t i = 0; i < proxies.size(); ++i) {
       args.lookup(args.inputs[i]).proxy_tensor = proxies[i];
     }
+    unpacked_proxies_ = unpacked_proxies;
     std::vector<std::optional<c10::SymInt>> sym_sizes(call_.all_size_inputs.size());
-    cad::TraceState state(std::move(sym_sizes), 0);
-
-    auto iface_owned = std::make_unique<TraceInterface>();
-    TraceInterface* iface = iface_owned.get();
-    cad::PyCompilerGuard guard(std::move(iface_owned));
-    at::NoGradGuard no_grad;
-
-    std::unordered_map<Node*, variable_list> buffers;
-    auto buffer_of = [&](Node* fn) -> variable_list& {
-      auto it = buffers.find(fn);
-      if (it == buffers.end()) {
-        it = buffers.emplace(fn, variable_list(fn->num_inputs())).first;
-      }
-      return it->second;
-    };
-    auto add_to = [&](const Edge& edge, at::Tensor grad) {
-      if (!edge.is_valid() || !grad.defined()) {
-        return;
-      }
-      if (!in_graph_.count(edge.function.get())) {
-        return;
-      }
-      auto& slot = buffer_of(edge.function.get())[edge.input_nr];
-      slot = slot.defined() ? slot + grad : std::move(grad);
-    };
-
-    // root grads, validated against the root edges as Engine::execute does
-    variable_list root_values;
-    for (auto& g : root_grads_) {
-      root_values.push_back(g.defined() ? args.lookup(g).proxy_tensor : at::Tensor());
-    }
-    torch::autograd::validate_outputs(
-        root_edges_, root_values, [](const std::string& m) { return m; });
-    for (size_t i = 0; i < root_edges_.size(); ++i) {
-      add_to(root_edges_[i], root_values[i]);
-    }
-
-    variable_list outputs(accumulate_nodes_.size() + num_captures_);
-    size_t acc_i = 0;
-    for (size_t idx = 0; idx < order_.size(); ++idx) {
-      Node* fn = order_[idx].get();
-      variable_list inputs = std::move(buffer_of(fn));
-      buffers.erase(fn);
-      auto cap = captures_.find(idx);
-      if (cap != captures_.end()) {
-        for (auto& c : cap->second) {
-          outputs[accumulate_nodes_.size() + c.output_idx] = inputs[c.input_nr];
-        }
-      }
-      if (!execute_[idx]) {
-        continue;
-      }
-      if (is_accumulate_grad(fn)) {
-        outputs[acc_i++] = inputs[0];
-        continue;
-      }
-      auto& node_call = call_.node_calls.lookup(order_[idx]);
-      cad::SwapSavedVariables saved(call_, state, Py_None, node_call);
-      variable_list outs = fn->apply_with_saved(inputs, saved);
-      saved.debug_asserts();
-      TORCH_CHECK(iface->error.empty(), fn->name(), ": ", iface->error);
-      torch::autograd::validate_outputs(
-          fn->next_edges(), outs, [&](const std::string& m) {
-            return fn->name() + ": " + m;
-          });
-      const auto& edges = fn->next_edges();
-      for (size_t i = 0; i < outs.size() && i < edges.size(); ++i) {
-        add_to(edges[i], std::move(outs[i]));
-      }
-    }
-    return outputs;
+    state_ = std::make_unique<cad::TraceState>(std::move(sym_sizes), 0);
   }
 
-  // Run AccumulateGrad for each accumulated output, exactly as the engine
-  // would (the node itself does the layout contract, stealing, in-place
-  // accumulation and post-accumulate-grad hooks). Returns the captured grads.
-  std::vector<std::optional<at::Tensor>> apply_outputs(py::list outputs) {
-    TORCH_CHECK(
-        outputs.size() == accumulate_nodes_.size() + num_captures_,
-        "compiled_autograd: graph returned ", outputs.size(), " outputs, expected ",
-        accumulate_nodes_.size() + num_captures_);
+  // Root grads validated against the root edges, as Engine::execute does.
+  std::vector<std::optional<at::Tensor>> root_values(
+      const std::vector<std::optional<at::Tensor>>& grads) {
+    variable_list values = to_variables(grads);
+    torch::autograd::validate_outputs(root_edges_, values, [](const std::string& m) { return m; });
+    return from_variables(values);
+  }
+
+  std::vector<std::optional<at::Tensor>> apply_node(
+      size_t idx,
+      const std::vector<std::optional<at::Tensor>>& inputs) {
+    auto& r = nodes_.at(idx);
+    TORCH_CHECK(state_, "begin_trace first");
+    auto iface_owned = std::make_unique<TraceInterface>();
+    TraceInterface* iface = iface_owned.get();
+    iface->unpacked = &unpacked_proxies_;
+    cad::PyCompilerGuard guard(std::move(iface_owned));
     at::NoGradGuard no_grad;
-    for (size_t i = 0; i < accumulate_nodes_.size(); ++i) {
-      py::object item = outputs[i];
+    state_->sym_sizes_index = r.size_start;
+    auto& node_call = call_.node_calls.lookup(r.fn);
+    cad::SwapSavedVariables saved(call_, *state_, Py_None, node_call);
+    variable_list outs = r.fn->apply_with_saved(to_variables(inputs), saved);
+    saved.debug_asserts();
+    TORCH_CHECK(iface->error.empty(), r.fn->name(), ": ", iface->error);
+    return validate(idx, from_variables(outs));
+  }
+
+  // The engine's validate_outputs for node idx (sum to shape, cast, device).
+  std::vector<std::optional<at::Tensor>> validate(
+      size_t idx,
+      const std::vector<std::optional<at::Tensor>>& outputs) {
+    auto& fn = nodes_.at(idx).fn;
+    variable_list outs = to_variables(outputs);
+    torch::autograd::validate_outputs(
+        fn->next_edges(), outs, [&](const std::string& m) { return "Function " + fn->name() + " " + m; });
+    return from_variables(outs);
+  }
+
+  void end_trace() {
+    state_.reset();
+    unpacked_proxies_.clear();
+  }
+
+  // ---- replay services (real tensors, called from the compiled graph) -----
+
+  std::vector<std::optional<at::Tensor>> call_tensor_pre_hooks(
+      size_t idx,
+      const std::vector<std::optional<at::Tensor>>& inputs) {
+    auto& fn = nodes_.at(idx).fn;
+    variable_list values = to_variables(inputs);
+    for (const auto& hook : fn->tensor_pre_hooks()) {
+      values = (*hook)(values);
+    }
+    for (const auto& pair : fn->retains_grad_hooks()) {
+      values = (*pair.second)(values);
+    }
+    return from_variables(values);
+  }
+
+  std::vector<std::optional<at::Tensor>> call_pre_hooks(
+      size_t idx,
+      const std::vector<std::optional<at::Tensor>>& inputs) {
+    auto& fn = nodes_.at(idx).fn;
+    variable_list values = to_variables(inputs);
+    for (const auto& hook : fn->pre_hooks()) {
+      values = (*hook)(values);
+    }
+    return from_variables(values);
+  }
+
+  std::vector<std::optional<at::Tensor>> call_post_hooks(
+      size_t idx,
+      const std::vector<std::optional<at::Tensor>>& outputs,
+      const std::vector<std::optional<at::Tensor>>& inputs) {
+    auto& fn = nodes_.at(idx).fn;
+    variable_list outs = to_variables(outputs);
+    variable_list ins = to_variables(inputs);
+    for (const auto& hook : fn->post_hooks()) {
+      outs = (*hook)(outs, ins);
+    }
+    return from_variables(outs);
+  }
+
+  // Run node idx as the engine would (its own apply, then validate_outputs).
+  std::vector<std::optional<at::Tensor>> call_node(
+      size_t idx,
+      const std::vector<std::optional<at::Tensor>>& inputs) {
+    auto& fn = nodes_.at(idx).fn;
+    at::NoGradGuard no_grad;
+    variable_list outs = (*fn)(to_variables(inputs));
+    return validate(idx, from_variables(outs));
+  }
+
+  // AccumulateGrad itself: layout contract, stealing, in-place accumulation,
+  // post-accumulate-grad hooks.
+  void accumulate(size_t idx, std::optional<at::Tensor> grad) {
+    if (!grad.has_value()) {
+      return;
+    }
+    at::NoGradGuard no_grad;
+    variable_list in;
+    in.emplace_back(std::move(*grad));
+    grad.reset();
+    (*nodes_.at(idx).fn)(std::move(in));
+  }
+
+  // Accumulate the graph's results for the nodes listed in `acc` (node index,
+  // result index), dropping Python's references first so that AccumulateGrad
+  // may steal the buffer as eager does. Returns the results of grad().
+  std::vector<std::optional<at::Tensor>> apply_results(
+      py::list results,
+      const std::vector<std::pair<size_t, size_t>>& acc,
+      const std::vector<int64_t>& captured) {
+    at::NoGradGuard no_grad;
+    for (auto& [node_idx, res_idx] : acc) {
+      py::object item = results[res_idx];
       if (item.is_none()) {
         continue;
       }
       at::Tensor grad = THPVariable_Unpack(item.ptr());
-      // drop the Python references so that the node may steal the buffer
-      outputs[i] = py::none();
+      results[res_idx] = py::none();
       item = py::object();
       variable_list in;
       in.emplace_back(std::move(grad));
-      (*accumulate_nodes_[i])(std::move(in));
+      (*nodes_.at(node_idx).fn)(std::move(in));
     }
-    std::vector<std::optional<at::Tensor>> captured;
-    for (size_t i = 0; i < num_captures_; ++i) {
-      py::object item = outputs[accumulate_nodes_.size() + i];
+    std::vector<std::optional<at::Tensor>> out;
+    for (auto res_idx : captured) {
+      py::object item = res_idx < 0 ? py::none() : py::object(results[res_idx]);
       if (item.is_none()) {
-        captured.emplace_back(std::nullopt);
+        out.emplace_back(std::nullopt);
       } else {
-        captured.emplace_back(THPVariable_Unpack(item.ptr()));
+        out.emplace_back(THPVariable_Unpack(item.ptr()));
       }
     }
-    return captured;
+    return out;
   }
 
-  // Free saved variables of every executed node, as the engine does when
-  // retain_graph is False.
+  // Free saved variables of every executed node (retain_graph=False).
   void release() {
-    for (size_t idx = 0; idx < order_.size(); ++idx) {
-      if (execute_[idx]) {
-        order_[idx]->release_variables();
+    for (auto& r : nodes_) {
+      if (r.execute) {
+        r.fn->release_variables();
       }
     }
   }
 
   // Drop every reference to the graph (nodes, lifted tensors).
   void clear() {
-    order_.clear();
-    accumulate_nodes_.clear();
+    nodes_.clear();
     root_edges_.clear();
     root_grads_.clear();
-    in_graph_.clear();
+    index_of_.clear();
+    unpacked_proxies_.clear();
   }
 
  private:
@@ -408,7 +599,6 @@ class GraphCapture {
       const std::vector<at::Tensor>& roots,
       const std::vector<std::optional<at::Tensor>>& root_grads,
       const std::vector<at::Tensor>& inputs) {
-    // -- roots
     for (size_t i = 0; i < roots.size(); ++i) {
       Edge edge = torch::autograd::impl::gradient_edge(roots[i]);
       TORCH_CHECK(edge.is_valid(), "root ", i, " has no grad_fn"); // checked in Python
@@ -416,7 +606,6 @@ class GraphCapture {
       const auto& g = root_grads[i];
       root_grads_.push_back(g.has_value() ? *g : at::Tensor());
     }
-    // -- output edges (inputs=)
     std::vector<Edge> output_edges;
     for (auto& t : inputs) {
       Edge e = torch::autograd::impl::gradient_edge(t);
@@ -427,11 +616,11 @@ class GraphCapture {
     }
 
     // -- reachable graph and dependency counts
-    std::unordered_map<Node*, c10::intrusive_ptr<Node>> nodes;
+    std::unordered_map<Node*, c10::intrusive_ptr<Node>> reach;
     std::unordered_map<Node*, int> deps;
     std::vector<Node*> stack;
     for (auto& e : root_edges_) {
-      if (nodes.emplace(e.function.get(), e.function).second) {
+      if (reach.emplace(e.function.get(), e.function).second) {
         stack.push_back(e.function.get());
       }
     }
@@ -443,13 +632,14 @@ class GraphCapture {
           continue;
         }
         deps[next.function.get()] += 1;
-        if (nodes.emplace(next.function.get(), next.function).second) {
+        if (reach.emplace(next.function.get(), next.function).second) {
           stack.push_back(next.function.get());
         }
       }
     }
 
-    // -- which nodes run (all, or the ones on a path to an output edge)
+    // -- which nodes run: all, or those on a path to an output edge (the
+    //    engine's exec_info); grad() captures instead of accumulating
     std::unordered_set<Node*> needed;
     std::unordered_map<Node*, std::vector<std::pair<uint32_t, size_t>>> capture_spec;
     const bool filtered = !output_edges.empty();
@@ -457,8 +647,8 @@ class GraphCapture {
       std::unordered_set<Node*> targets;
       for (size_t i = 0; i < output_edges.size(); ++i) {
         auto& e = output_edges[i];
-        if (!e.is_valid() || !nodes.count(e.function.get())) {
-          continue; // unreachable: grad stays None
+        if (!e.is_valid() || !reach.count(e.function.get())) {
+          continue; // unreachable: the result stays None
         }
         targets.insert(e.function.get());
         if (accumulate_grad_) {
@@ -467,14 +657,13 @@ class GraphCapture {
           capture_spec[e.function.get()].emplace_back(e.input_nr, i);
         }
       }
-      // a node runs if some path from it reaches a target
-      std::unordered_map<Node*, int> memo; // 0 unknown, 1 yes, 2 no
+      std::unordered_map<Node*, int> memo; // 1 yes, 2 no
       std::function<bool(Node*)> leads = [&](Node* fn) -> bool {
         auto it = memo.find(fn);
         if (it != memo.end()) {
           return it->second == 1;
         }
-        memo[fn] = 2; // graph is a DAG; provisional
+        memo[fn] = 2;
         bool r = false;
         for (const auto& next : fn->next_edges()) {
           if (next.is_valid() &&
@@ -485,13 +674,13 @@ class GraphCapture {
         memo[fn] = r ? 1 : 2;
         return r;
       };
-      for (auto& [fn, _] : nodes) {
+      for (auto& [fn, _] : reach) {
         if (leads(fn)) {
           needed.insert(fn);
         }
       }
     }
-    num_captures_ = output_edges.empty() || accumulate_grad_ ? 0 : output_edges.size();
+    num_results_ = accumulate_grad_ ? 0 : output_edges.size();
     auto should_run = [&](Node* fn) {
       return !filtered || needed.count(fn) || capture_spec.count(fn);
     };
@@ -505,44 +694,38 @@ class GraphCapture {
       }
     };
     {
-      // roots: the engine starts at a single root node (or GraphRoot, whose
-      // outputs are the root edges, visited in order)
       std::unordered_set<Node*> seen;
       for (auto& e : root_edges_) {
-        Node* fn = e.function.get();
-        if (seen.insert(fn).second) {
-          push_if_ready(fn);
+        if (seen.insert(e.function.get()).second) {
+          push_if_ready(e.function.get());
         }
       }
     }
     while (!ready.empty()) {
       Node* fn = ready.top().fn;
       ready.pop();
-      order_.push_back(nodes.at(fn));
-      in_graph_.insert(fn);
-      bool runs = !filtered || needed.count(fn);
-      execute_.push_back(runs);
+      index_of_[fn] = nodes_.size();
+      NodeRecord r;
+      r.fn = reach.at(fn);
+      r.execute = !filtered || needed.count(fn);
       auto cs = capture_spec.find(fn);
       if (cs != capture_spec.end()) {
-        for (auto& [input_nr, out_idx] : cs->second) {
-          captures_[order_.size() - 1].push_back({order_.size() - 1, input_nr, out_idx});
-        }
+        r.captures = cs->second;
       }
-      if (!runs) {
+      nodes_.push_back(std::move(r));
+      if (!nodes_.back().execute) {
         continue;
       }
       for (const auto& next : fn->next_edges()) {
-        if (!next.is_valid()) {
-          continue;
+        if (next.is_valid()) {
+          remaining[next.function.get()] -= 1;
+          push_if_ready(next.function.get());
         }
-        Node* n = next.function.get();
-        remaining[n] -= 1;
-        push_if_ready(n);
       }
     }
 
-    // -- key: roots
-    key_.reserve(64 * order_.size());
+    // -- key: roots and results
+    key_.reserve(64 * nodes_.size());
     append_pod(key_, static_cast<uint32_t>(root_edges_.size()));
     append_pod(key_, static_cast<uint8_t>(accumulate_grad_));
     append_pod(key_, static_cast<uint32_t>(output_edges.size()));
@@ -550,78 +733,81 @@ class GraphCapture {
       uint32_t id = g.defined() ? call_.tensor_args.add(g).id : 0;
       append_pod(key_, id);
     }
-    // node ids are assigned in execution order
-    for (auto& fn : order_) {
-      call_.node_calls.lookup(fn);
+    for (auto& r : nodes_) {
+      call_.node_calls.lookup(r.fn); // node ids = execution order
     }
+    auto edge_index = [&](const Edge& e) -> int64_t {
+      if (!e.is_valid()) {
+        return -2;
+      }
+      auto it = index_of_.find(e.function.get());
+      return it == index_of_.end() ? -1 : static_cast<int64_t>(it->second);
+    };
     for (auto& e : root_edges_) {
-      append_pod(key_, call_.node_calls.lookup(e.function).id);
+      append_pod(key_, edge_index(e));
       append_pod(key_, e.input_nr);
     }
     for (auto& e : output_edges) {
-      bool in = e.is_valid() && in_graph_.count(e.function.get());
-      append_pod(key_, in ? call_.node_calls.lookup(e.function).id : UINT32_MAX);
+      append_pod(key_, edge_index(e));
       append_pod(key_, e.input_nr);
     }
 
     // -- key: nodes
-    for (size_t idx = 0; idx < order_.size(); ++idx) {
-      const auto& fn = order_[idx];
-      if (has_hooks(fn.get())) {
-        fail("hooks on " + fn->name());
-      }
-      append_pod(key_, type_id_of(*fn));
-      append_pod(key_, static_cast<uint8_t>(execute_[idx]));
-      if (!execute_[idx]) {
+    for (size_t idx = 0; idx < nodes_.size(); ++idx) {
+      auto& r = nodes_[idx];
+      const auto& fn = r.fn;
+      const TypeInfo& ti = type_info_of(*fn);
+      r.kind = ti.kind;
+      append_pod(key_, ti.id);
+      append_pod(key_, static_cast<uint8_t>(r.execute));
+      if (!r.execute) {
         continue;
       }
-      if (auto* acc = dynamic_cast<AccumulateGrad*>(fn.get())) {
-        if (acc->tensor_post_acc_grad_hooks() != nullptr) {
-          fail("post-accumulate-grad hook on a parameter");
-        }
-        accumulate_nodes_.push_back(fn);
-        continue;
+      for (const auto& next : fn->next_edges()) {
+        r.edges.emplace_back(edge_index(next), next.input_nr);
       }
-      std::string kind = demangled_kind(*fn);
-      if (kind.find("PyNode") != std::string::npos) {
-        fail("custom autograd.Function " + fn->name());
-        continue;
+      r.n_tensor_pre = fn->tensor_pre_hooks().size();
+      r.n_retains = fn->retains_grad_hooks().size();
+      r.n_pre = fn->pre_hooks().size();
+      r.n_post = fn->post_hooks().size();
+      if (r.kind == ACCUMULATE) {
+        r.post_acc = static_cast<AccumulateGrad*>(fn.get())->tensor_post_acc_grad_hooks() != nullptr;
       }
-      if (kind.find("CppNode") != std::string::npos) {
-        fail("C++ custom autograd function " + fn->name());
-        continue;
-      }
-      if (!unsupported.empty()) {
-        continue; // keep walking only to report the first reason cheaply
-      }
+      append_pod(key_, r.n_tensor_pre);
+      append_pod(key_, r.n_retains);
+      append_pod(key_, r.n_pre);
+      append_pod(key_, r.n_post);
+      append_pod(key_, static_cast<uint8_t>(r.post_acc));
+
       auto& node_call = call_.node_calls.lookup(fn);
       cad::CompiledNodeArgs node_args(call_, node_call);
-      try {
-        fn->compiled_args(node_args);
-        node_args.collect(fn->next_edges());
-      } catch (const c10::Error& e) {
-        std::string msg = e.what_without_backtrace();
-        // the version-counter and freed-graph errors are the user's: raise them
-        if (msg.find("modified by an inplace operation") != std::string::npos ||
-            msg.find("backward through the graph a second time") != std::string::npos) {
-          throw;
+      r.size_start = call_.all_size_inputs.size();
+      if (r.kind == GENERIC) {
+        try {
+          fn->compiled_args(node_args);
+        } catch (const c10::Error& e) {
+          std::string msg = e.what_without_backtrace();
+          // the version-counter and freed-graph errors are the user's: raise them
+          if (msg.find("modified by an inplace operation") != std::string::npos ||
+              msg.find("backward through the graph a second time") != std::string::npos) {
+            throw;
+          }
+          r.opaque = true;
+          r.opaque_reason = msg.substr(0, msg.find('\n'));
         }
-        fail(fn->name() + ": " + msg.substr(0, msg.find('\n')));
-        continue;
+      } else if (r.kind == OPAQUE) {
+        r.opaque = true;
+        r.opaque_reason = "C++ custom autograd Function";
       }
+      append_pod(key_, static_cast<uint8_t>(r.opaque));
+      // edges and the metadata of what they feed, for validate_outputs
+      node_args.collect(fn->next_edges());
       auto k = node_args.key();
       append_pod(key_, static_cast<uint32_t>(k.key_size));
       key_.append(reinterpret_cast<const char*>(k.key), k.key_size);
     }
-    if (!unsupported.empty()) {
-      return;
-    }
-    if (!call_.sv_to_hooks.empty()) {
-      fail("saved tensors with saved_tensors_hooks");
-    }
-    if (!call_.lifted_ivalue_args.args.empty() || !call_.hooks.empty() ||
-        !call_.cpp_tensor_pre_hooks.empty() || !call_.packed_inputs.empty()) {
-      fail("hooks or lifted scalars collected");
+    if (!call_.lifted_ivalue_args.args.empty()) {
+      fail("lifted scalars of C++ custom functions");
     }
 
     // -- key: static sizes
@@ -632,51 +818,87 @@ class GraphCapture {
     // -- key: lifted tensors' geometry
     append_pod(key_, static_cast<uint32_t>(call_.tensor_args.inputs.size()));
     for (auto& t : call_.tensor_args.inputs) {
-      if (t.layout() != at::kStrided) {
-        fail("non-strided tensor");
-        return;
-      }
-      if (t.unsafeGetTensorImpl()->is_python_dispatch() ||
-          t.key_set().has(c10::DispatchKey::Python) ||
-          t.is_nested()) {
-        fail("tensor subclass");
-        return;
-      }
-      append_pod(key_, static_cast<int8_t>(t.scalar_type()));
-      append_pod(key_, static_cast<int8_t>(t.device().type()));
-      append_pod(key_, static_cast<int8_t>(t.device().index()));
-      append_pod(key_, static_cast<uint8_t>(
-          (t.is_conj() ? 1 : 0) | (t.is_neg() ? 2 : 0) |
-          (t.unsafeGetTensorImpl()->is_wrapped_number() ? 4 : 0) |
-          (t.requires_grad() ? 8 : 0)));
-      append_pod(key_, static_cast<uint8_t>(t.dim()));
-      for (auto s : t.sizes()) {
-        append_pod(key_, s);
-      }
-      for (auto s : t.strides()) {
-        append_pod(key_, s);
-      }
-      append_pod(key_, t.storage_offset());
+      append_tensor_key(t);
     }
+  }
+
+  void append_tensor_key(const at::Tensor& t) {
+    if (t.layout() != at::kStrided) {
+      fail("non-strided lifted tensor");
+      return;
+    }
+    if (t.key_set().has(c10::DispatchKey::Python) || t.is_nested()) {
+      fail("tensor subclass");
+      return;
+    }
+    append_pod(key_, static_cast<int8_t>(t.scalar_type()));
+    append_pod(key_, static_cast<int8_t>(t.device().type()));
+    append_pod(key_, static_cast<int8_t>(t.device().index()));
+    append_pod(key_, static_cast<uint8_t>(
+        (t.is_conj() ? 1 : 0) | (t.is_neg() ? 2 : 0) |
+        (t.unsafeGetTensorImpl()->is_wrapped_number() ? 4 : 0) |
+        (t.requires_grad() ? 8 : 0)));
+    append_pod(key_, static_cast<uint8_t>(t.dim()));
+    for (auto s : t.sizes()) {
+      append_pod(key_, s);
+    }
+    for (auto s : t.strides()) {
+      append_pod(key_, s);
+    }
+    append_pod(key_, t.storage_offset());
   }
 
   cad::AutogradCompilerCall call_;
   bool accumulate_grad_;
   std::string key_;
-  std::vector<c10::intrusive_ptr<Node>> order_;
-  std::vector<bool> execute_;
-  std::unordered_set<Node*> in_graph_;
-  std::unordered_map<size_t, std::vector<Capture>> captures_;
-  size_t num_captures_ = 0;
-  std::vector<c10::intrusive_ptr<Node>> accumulate_nodes_;
+  std::vector<NodeRecord> nodes_;
+  std::unordered_map<Node*, size_t> index_of_;
+  size_t num_results_ = 0;
   std::vector<Edge> root_edges_;
   std::vector<at::Tensor> root_grads_;
+  std::unique_ptr<cad::TraceState> state_;
+  std::vector<at::Tensor> unpacked_proxies_;
+};
+
+// Swap a custom Function's saved tensors for proxies while Python traces its
+// backward (its ctx.saved_tensors then returns the proxies), and restore them.
+class PyNodeSavedSwap {
+ public:
+  PyNodeSavedSwap(py::object node, const std::vector<at::Tensor>& proxies) : node_(std::move(node)) {
+    TORCH_CHECK(THPFunction_Check(node_.ptr()), "not a custom Function node");
+    auto* f = reinterpret_cast<THPFunction*>(node_.ptr());
+    TORCH_CHECK(proxies.size() == f->saved_variables.size(), "saved tensor count mismatch");
+    stashed_ = std::move(f->saved_variables);
+    f->saved_variables.clear();
+    bool prior = at::SavedTensorDefaultHooks::set_tracing(true);
+    for (auto& p : proxies) {
+      f->saved_variables.emplace_back(p, false);
+    }
+    at::SavedTensorDefaultHooks::set_tracing(prior);
+  }
+  void restore() {
+    if (restored_) {
+      return;
+    }
+    auto* f = reinterpret_cast<THPFunction*>(node_.ptr());
+    f->saved_variables = std::move(stashed_);
+    restored_ = true;
+  }
+  ~PyNodeSavedSwap() {
+    restore();
+  }
+
+ private:
+  py::object node_;
+  std::vector<torch::autograd::SavedVariable> stashed_;
+  bool restored_ = false;
 };
 
 } // namespace compiled_autograd_native
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using compiled_autograd_native::GraphCapture;
+  using compiled_autograd_native::PyNodeSavedSwap;
   py::class_<GraphCapture>(m, "GraphCapture")
       .def(
           py::init<
@@ -687,12 +909,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("unsupported", &GraphCapture::unsupported)
       .def("key", &GraphCapture::key)
       .def("lifted", &GraphCapture::lifted)
-      .def("node_names", &GraphCapture::node_names)
       .def("num_nodes", &GraphCapture::num_nodes)
-      .def("num_accumulate", &GraphCapture::num_accumulate)
-      .def("num_captures", &GraphCapture::num_captures)
-      .def("trace", &GraphCapture::trace)
-      .def("apply_outputs", &GraphCapture::apply_outputs)
+      .def("num_results", &GraphCapture::num_results)
+      .def("nodes", &GraphCapture::nodes)
+      .def("node_object", &GraphCapture::node_object)
+      .def("node_name", &GraphCapture::node_name)
+      .def("pynode_indices", &GraphCapture::pynode_indices)
+      .def("roots", &GraphCapture::roots)
+      .def("input_metadata", &GraphCapture::input_metadata)
+      .def("saved_hooks", &GraphCapture::saved_hooks)
+      .def("pynode_flags", &GraphCapture::pynode_flags)
+      .def("begin_trace", &GraphCapture::begin_trace)
+      .def("root_values", &GraphCapture::root_values)
+      .def("apply_node", &GraphCapture::apply_node)
+      .def("validate", &GraphCapture::validate)
+      .def("end_trace", &GraphCapture::end_trace)
+      .def("call_tensor_pre_hooks", &GraphCapture::call_tensor_pre_hooks)
+      .def("call_pre_hooks", &GraphCapture::call_pre_hooks)
+      .def("call_post_hooks", &GraphCapture::call_post_hooks)
+      .def("call_node", &GraphCapture::call_node)
+      .def("accumulate", &GraphCapture::accumulate)
+      .def("apply_results", &GraphCapture::apply_results)
       .def("release", &GraphCapture::release)
       .def("clear", &GraphCapture::clear);
+  py::class_<PyNodeSavedSwap>(m, "PyNodeSavedSwap")
+      .def(py::init<py::object, const std::vector<at::Tensor>&>())
+      .def("restore", &PyNodeSavedSwap::restore);
 }

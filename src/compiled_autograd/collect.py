@@ -1,0 +1,156 @@
+"""Collect: what one backward call's graph is made of, as a key and lifted inputs.
+
+The native collector (native/_C.cpp) walks the graph and keys every built-in
+node. This module adds what only Python can see:
+  * custom autograd.Function nodes: the Function class, needs_input_grad, the
+    materialize flags, every non-tensor ctx attribute by value, tensors saved
+    with save_for_backward or stored on ctx (lifted). A ctx attribute we cannot
+    key by value makes that node opaque (it runs as is, inside the graph).
+  * saved tensors that carry saved_tensors_hooks (save_on_cpu, non-reentrant
+    checkpointing): their unpack hooks run now, during this backward, and the
+    unpacked tensors are lifted.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+PYNODE_KIND = 2
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+@dataclass
+class PyNodeInfo:
+    flags: tuple  # (materialize_grads, materialize_non_diff_grads, boxed_grads_call, is_variable_input)
+    saved: tuple  # lifted index of each saved tensor
+    attrs: tuple  # (name, structure): ctx attributes holding tensors, with lifted indices
+    opaque_reason: str | None = None
+
+
+@dataclass
+class Collected:
+    capture: Any
+    key: tuple
+    lifted: list
+    n_native: int
+    unpacked: tuple  # lifted index of each tensor unpacked from a saved-tensor hook
+    pynodes: dict = field(default_factory=dict)
+
+
+def tensor_key(t: torch.Tensor) -> tuple:
+    if t.layout != torch.strided or type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise _Unkeyable("tensor subclass or non-strided tensor")
+    return (t.dtype, t.device, t.shape, t.stride(), t.storage_offset(), t.requires_grad, t.is_conj(), t.is_neg())
+
+
+class _Lifter:
+    def __init__(self, lifted: list):
+        self.lifted = lifted
+        self.index = {id(t): i for i, t in enumerate(lifted)}
+        self.extra_keys: list = []
+
+    def __call__(self, t: torch.Tensor) -> int:
+        i = self.index.get(id(t))
+        if i is None:
+            self.extra_keys.append(tensor_key(t))
+            i = self.index[id(t)] = len(self.lifted)
+            self.lifted.append(t)
+        return i
+
+
+_SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
+            torch.layout, torch.memory_format, enum.Enum)
+_BY_IDENTITY = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type, types.ModuleType,
+                torch.nn.Module)
+
+
+def _value_key(v, lift: _Lifter):
+    """A hashable description of a ctx attribute: scalars by value, tensors by
+    lifted position, functions/classes/modules by identity."""
+    if isinstance(v, torch.Tensor):
+        return ("T", lift(v))
+    if isinstance(v, _SCALARS):
+        return (type(v), v)
+    if isinstance(v, torch.Size):
+        return ("S", tuple(v))
+    if isinstance(v, (tuple, list)):
+        return (type(v), tuple(_value_key(x, lift) for x in v))
+    if isinstance(v, dict):
+        try:
+            items = sorted(v.items(), key=lambda kv: repr(kv[0]))
+        except Exception as e:  # pragma: no cover
+            raise _Unkeyable(str(e))
+        return ("D", tuple((k, _value_key(x, lift)) for k, x in items))
+    if isinstance(v, _BY_IDENTITY):
+        return ("id", v)
+    raise _Unkeyable(f"ctx.{type(v).__name__} value")
+
+
+def _has_tensor(v) -> bool:
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, (tuple, list)):
+        return any(_has_tensor(x) for x in v)
+    if isinstance(v, dict):
+        return any(_has_tensor(x) for x in v.values())
+    return False
+
+
+def _collect_pynode(capture, idx: int, lift: _Lifter) -> tuple[tuple, PyNodeInfo]:
+    node = capture.node_object(idx)
+    m, mnd, boxed, is_var = capture.pynode_flags(idx)
+    flags = (m, mnd, boxed, tuple(is_var))
+    cls = node._forward_cls
+    info = PyNodeInfo(flags=flags, saved=(), attrs=())
+    if flags[2]:
+        info.opaque_reason = "boxed_grads_call Function"
+        return ("py", cls, "opaque", info.opaque_reason), info
+    # reading saved_tensors runs eager's own checks (freed graph, version
+    # counter) and saved-tensor unpack hooks
+    saved = node.saved_tensors
+    try:
+        info.saved = tuple(lift(t) if t is not None else -1 for t in saved)
+        attrs = []
+        attr_keys = []
+        for name, value in sorted(vars(node).items()):
+            attr_keys.append((name, _value_key(value, lift)))
+            if _has_tensor(value):
+                attrs.append((name, value))
+        info.attrs = tuple(attrs)
+    except _Unkeyable as e:
+        info.opaque_reason = f"{node.name()}: {e}"
+        return ("py", cls, "opaque", info.opaque_reason), info
+    key = ("py", cls, flags, tuple(node.needs_input_grad), info.saved, tuple(attr_keys))
+    return key, info
+
+
+def collect(capture) -> Collected:
+    lifted = list(capture.lifted())
+    n_native = len(lifted)
+    lift = _Lifter(lifted)
+    unpacked = tuple(lift(_unpack(hook, packed)) for hook, packed in capture.saved_hooks())
+    pykeys = []
+    pynodes = {}
+    for idx in capture.pynode_indices():
+        k, info = _collect_pynode(capture, idx, lift)
+        pykeys.append((idx, k))
+        pynodes[idx] = info
+    key = (capture.key(), tuple(pykeys), len(unpacked), tuple(lift.extra_keys))
+    return Collected(capture=capture, key=key, lifted=lifted, n_native=n_native, unpacked=unpacked, pynodes=pynodes)
+
+
+def _unpack(hook, packed):
+    t = hook(packed)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(
+            f"Output of saved tensor unpack_hook expected to be a Tensor but got result of type {type(t)}"
+        )
+    return t

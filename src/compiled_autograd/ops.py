@@ -1,0 +1,216 @@
+"""The one opaque operator a captured graph may contain, and its replay context.
+
+NOTE [Opaque calls]
+Hooks (tensor, pre, post, retain_grad, post-accumulate-grad), nodes that cannot
+be traced, and AccumulateGrad when something in the graph may observe `.grad`
+run on real tensors in the middle of the compiled graph. Each such point is one
+`compiled_autograd::call(slot, args, ...)`:
+  * `slot` names what to run: a row of the entry's slot table, `(kind, node)`;
+    the objects to run (hook functions, nodes) come from the current backward's
+    collected graph, so a new hook closure each step is not a new graph.
+  * the output metadata rides along as arguments, so the fake implementation
+    needs no side table and every backend (aot_eager, inductor) can trace it.
+  * the operator is registered as an ORDERED effect: no backend may reorder or
+    drop it, so hooks observe what they would observe in eager.
+Outputs are contiguous and never alias the inputs (a custom op's contract); a
+real output whose metadata differs from what the graph was traced with raises
+instead of being misread by compiled code.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional, Sequence
+
+import torch
+
+# dtype <-> small int, for the operator schema
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.complex32,
+]
+_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
+_DEVICE_TYPES = ["cpu", "cuda", "mps", "xpu", "meta", "hpu", "privateuseone"]
+
+
+def device_code(device) -> int:
+    d = torch.device(device)
+    return _DEVICE_TYPES.index(d.type) * 1024 + (0 if d.index is None else d.index + 1)
+
+
+def _device(code: int) -> torch.device:
+    kind, index = divmod(code, 1024)
+    return torch.device(_DEVICE_TYPES[kind]) if index == 0 else torch.device(_DEVICE_TYPES[kind], index - 1)
+
+# slot kinds
+TENSOR_PRE_HOOKS = "tensor_pre_hooks"
+PRE_HOOKS = "pre_hooks"
+POST_HOOKS = "post_hooks"
+NODE = "node"
+ACCUMULATE = "accumulate"
+
+
+class _Replay(threading.local):
+    def __init__(self):
+        self.stack: list = []  # (capture, slots) of the backwards running on this thread
+
+
+_replay = _Replay()
+
+
+# A custom op's kernel runs below autograd (the autograd dispatch keys are
+# excluded). Hooks and nodes we call from it must see the dispatch state of the
+# backward call instead: a hook may run autograd itself (e.g. a nested grad()).
+_AUTOGRAD_KEYS = [
+    torch._C.DispatchKey.AutogradFunctionality,
+    torch._C.DispatchKey.AutogradOther,
+    torch._C.DispatchKey.AutogradNestedTensor,
+    torch._C.DispatchKey.ADInplaceOrView,
+]
+
+
+def _excluded():
+    return [torch._C._dispatch_tls_is_dispatch_key_excluded(k) for k in _AUTOGRAD_KEYS]
+
+
+def _set_excluded(flags):
+    for k, f in zip(_AUTOGRAD_KEYS, flags):
+        torch._C._dispatch_tls_set_dispatch_key_excluded(k, f)
+
+
+class replaying:
+    """Context of one compiled graph run: where its slots resolve."""
+
+    def __init__(self, capture, slots):
+        self.frame = (capture, slots, _excluded())
+
+    def __enter__(self):
+        _replay.stack.append(self.frame)
+
+    def __exit__(self, *exc):
+        _replay.stack.pop()
+
+
+@torch.library.custom_op("compiled_autograd::call", mutates_args=())
+def call(
+    slot: int,
+    args: list[Optional[torch.Tensor]],
+    sizes: list[int],
+    ranks: list[int],
+    dtypes: list[int],
+    devices: list[int],
+    flags: bool,
+) -> list[torch.Tensor]:
+    capture, slots, outside = _replay.stack[-1]
+    kind, node, mask = slots[slot]
+    inside = _excluded()
+    _set_excluded(outside)
+    try:
+        return _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, flags)
+    finally:
+        _set_excluded(inside)
+
+
+def _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, flags):
+    if kind == TENSOR_PRE_HOOKS:
+        outs = capture.call_tensor_pre_hooks(node, args)
+    elif kind == PRE_HOOKS:
+        outs = capture.call_pre_hooks(node, args)
+    elif kind == POST_HOOKS:
+        n = len(mask)
+        outs = capture.call_post_hooks(node, args[:n], args[n:])
+    elif kind == NODE:
+        outs = capture.call_node(node, args)
+    elif kind == ACCUMULATE:
+        grad, defined = args[0], (args[1] if len(args) > 1 else None)
+        if grad is not None and (defined is None or bool(defined)):
+            capture.accumulate(node, grad)
+        return []
+    else:
+        raise AssertionError(f"unknown slot kind {kind}")
+    return _conform(kind, capture, node, mask, outs, args, list(_unpack_meta(sizes, ranks, dtypes, devices)), flags)
+
+
+@call.register_fake
+def _call_fake(slot, args, sizes, ranks, dtypes, devices, flags):
+    outs = [torch.empty(s, dtype=d, device=dev) for s, d, dev in _unpack_meta(sizes, ranks, dtypes, devices)]
+    if flags:
+        outs.append(torch.empty(len(ranks), dtype=torch.bool))
+    return outs
+
+
+def _register_effect():
+    try:
+        from torch._library.effects import EffectType
+
+        torch.library._register_effectful_op("compiled_autograd::call", EffectType.ORDERED)
+    except Exception:  # pragma: no cover - older torch
+        from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+
+        _register_effectful_op(torch.ops.compiled_autograd.call.default, _EffectType.ORDERED)
+
+
+_register_effect()
+# graph passes that only know FX's own notion of purity must not drop it either
+torch.fx.node.has_side_effect(torch.ops.compiled_autograd.call.default)
+
+
+def _unpack_meta(sizes, ranks, dtypes, devices):
+    pos = 0
+    for r, d, dev in zip(ranks, dtypes, devices):
+        yield list(sizes[pos : pos + r]), _DTYPES[d], _device(dev)
+        pos += r
+
+
+def pack_meta(tensors: Sequence[torch.Tensor]):
+    sizes, ranks, dtypes, devices = [], [], [], []
+    for t in tensors:
+        sizes.extend(t.shape)
+        ranks.append(t.dim())
+        dtypes.append(_DTYPE_CODE[t.dtype])
+        devices.append(device_code(t.device))
+    return sizes, ranks, dtypes, devices
+
+
+def _conform(kind, capture, node, mask, outs, args, metas, flags):
+    """Real outputs -> the defined, contiguous, non-aliasing tensors the graph expects.
+
+    `mask[i]` says whether output i was defined when the graph was traced;
+    `metas` describes those outputs, in order. Hooks must not change which
+    gradients are defined. For an opaque node (flags=True) a missing grad
+    becomes zeros and a False flag, so the graph knows it was undefined; a
+    grad where none was expected goes nowhere (its edge is not in the graph)."""
+    outs = list(outs) + [None] * (len(mask) - len(outs))
+    if kind != NODE and [o is not None for o in outs[: len(mask)]] != list(mask):
+        raise RuntimeError(
+            f"compiled_autograd: {kind.replace('_', ' ')} of {capture.node_name(node)} changed which "
+            "gradients are None; the compiled graph cannot follow"
+        )
+    result, present = [], []
+    for o, (shape, dtype, device) in zip((o for o, m in zip(outs, mask) if m), metas):
+        if o is None:
+            present.append(False)
+            result.append(torch.zeros(shape, dtype=dtype, device=device))
+            continue
+        present.append(True)
+        if list(o.shape) != shape or o.dtype != dtype or o.device != device:
+            raise RuntimeError(
+                f"compiled_autograd: {kind.replace('_', ' ')} of {capture.node_name(node)} returned a "
+                f"gradient of {tuple(o.shape)}/{o.dtype}/{o.device} where the graph was traced with "
+                f"{tuple(shape)}/{dtype}/{device}"
+            )
+        o = o.contiguous()
+        if any(a is not None and _aliases(o, a) for a in args):
+            o = o.clone()
+        result.append(o)
+    if flags:
+        result.append(torch.tensor(present, dtype=torch.bool))
+    return result
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.numel() > 0
+    except Exception:
+        return False

@@ -1,0 +1,202 @@
+"""Hooks inside the compiled graph: what every hook observes equals eager's.
+
+Each case builds a fresh forward with `build(log, step)`, which registers hooks
+that append observations to `log`; it runs once with eager backward and once
+compiled, for two steps with different values (the second compiled step must
+be a cache hit), and compares gradients and the logs entry by entry.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import compiled_autograd as ca
+from helpers import assert_grads_equal, grads_of
+
+
+def _compare_logs(got, want, what):
+    assert len(got) == len(want), f"{what}: {len(got)} observations vs eager {len(want)}:\n{got}\n{want}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert type(g) is type(w), f"{what} #{i}: {g!r} vs {w!r}"
+        if isinstance(w, tuple):
+            _compare_logs(list(g), list(w), f"{what} #{i}")
+        elif isinstance(w, torch.Tensor):
+            torch.testing.assert_close(g, w, msg=lambda m: f"{what} #{i}: {m}")
+        else:
+            assert g == w, f"{what} #{i}: {g!r} vs {w!r}"
+
+
+def observe(build, backend="eager", steps=2, captures=1, opaque=0):
+    for step in range(steps):
+        runs = []
+        for compiled in (False, True):
+            log = []
+            torch.manual_seed(step)
+            loss, leaves = build(log, step)
+            if compiled:
+                with ca.enable(backend, fullgraph=True):
+                    loss.backward()
+            else:
+                loss.backward()
+            runs.append((grads_of(leaves), log, leaves))
+        (want, want_log, _), (got, got_log, _) = runs
+        assert_grads_equal(got, want, what=f"step {step}")
+        _compare_logs(got_log, want_log, f"step {step} log")
+    s = ca.stats()
+    assert s.eager_fallbacks == 0, s.fallback_reasons
+    assert s.captures == captures, s
+    assert s.hits == steps - captures, s
+    assert s.opaque_nodes == opaque * steps, s.opaque_reasons
+    return runs
+
+
+def leaf(*shape):
+    return torch.randn(*shape, requires_grad=True)
+
+
+def test_tensor_hooks_on_leaf_in_order_with_replacement_and_removal():
+    def build(log, step):
+        x = leaf(4)
+        w = leaf(4)
+        x.register_hook(lambda g: log.append(("x1", g.clone())))
+        x.register_hook(lambda g: g * 3)
+        x.register_hook(lambda g: log.append(("x3", g.clone())))
+        removed = w.register_hook(lambda g: log.append(("removed", g)))
+        w.register_hook(lambda g: log.append(("w", g.clone())) or g + 1)
+        removed.remove()
+        return (x * w).sin().sum(), [x, w]
+
+    observe(build)
+
+
+def test_tensor_hooks_on_non_leaf_and_new_closure_each_step():
+    def build(log, step):
+        x = leaf(3, 4)
+        h = x.exp()
+        k = step + 2.0  # a new closure with a new constant every step: no recapture
+
+        def hook(g):
+            log.append(("h", g.clone()))
+            return g * k
+
+        h.register_hook(hook)
+        h.register_hook(lambda g: log.append(("h2", g.clone())))
+        return (h * h).sum(), [x]
+
+    observe(build)
+
+
+def test_node_pre_and_post_hooks():
+    def build(log, step):
+        a, b = leaf(3), leaf(3)
+        y = a * b
+        y.grad_fn.register_prehook(lambda gouts: log.append(("pre", gouts[0].clone())) or (gouts[0] * 2,))
+
+        def post(grad_inputs, grad_outputs):
+            log.append(("post", grad_inputs[0].clone(), grad_inputs[1].clone(), grad_outputs[0].clone()))
+            return (grad_inputs[0] + 1, grad_inputs[1])
+
+        y.grad_fn.register_hook(post)
+        return y.pow(2).sum(), [a, b]
+
+    observe(build)
+
+
+def test_retain_grad_with_hooks_on_the_same_tensor():
+    seen = {}
+
+    def build(log, step):
+        x = leaf(3)
+        h = x * 2
+        h.retain_grad()
+        h.register_hook(lambda g: g * 10)
+        y = h.exp()
+        y.retain_grad()
+        seen[len(seen)] = (h, y)
+        return y.sum(), [x]
+
+    observe(build)
+    # the last two builds: eager then compiled
+    (he, ye), (hc, yc) = seen[len(seen) - 2], seen[len(seen) - 1]
+    torch.testing.assert_close(hc.grad, he.grad)
+    torch.testing.assert_close(yc.grad, ye.grad)
+
+
+def test_post_accumulate_grad_hook_runs_an_optimizer_step():
+    def build(log, step):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+        for p in model.parameters():
+            def hook(param):
+                log.append(("acc", param.grad.clone()))
+                with torch.no_grad():
+                    param.add_(param.grad, alpha=-0.1)
+            p.register_post_accumulate_grad_hook(hook)
+        torch.manual_seed(step + 10)
+        x = torch.randn(3, 4)
+        leaves = list(model.parameters())
+        return model(x).pow(2).sum(), leaves
+
+    runs = observe(build)
+
+
+def test_hook_order_across_the_backward_matches_eager():
+    def build(log, step):
+        w1, w2, x = leaf(4, 4), leaf(4, 4), leaf(2, 4)
+        h1 = x @ w1
+        h1.register_hook(lambda g: log.append("h1"))
+        h2 = h1.tanh() @ w2
+        h2.register_hook(lambda g: log.append("h2"))
+        for name, p in (("w1", w1), ("w2", w2), ("x", x)):
+            p.register_hook(lambda g, name=name: log.append(f"tensor:{name}"))
+            p.register_post_accumulate_grad_hook(lambda p, name=name: log.append(f"acc:{name}:{p.grad is not None}"))
+        return h2.sum(), [w1, w2, x]
+
+    observe(build)
+
+
+def test_hook_that_reads_other_grads_sees_them_like_eager():
+    def build(log, step):
+        a, b = leaf(3), leaf(3)
+        h = (a * 2) * b.exp()
+        h.register_hook(lambda g: log.append(("a.grad is None", a.grad is None)))
+        b.register_hook(lambda g: log.append(("a.grad at b", a.grad.clone() if a.grad is not None else None)))
+        return h.sum() + a.sum(), [a, b]
+
+    observe(build)
+
+
+def test_hooks_with_aot_eager():
+    def build(log, step):
+        x = leaf(3, 4)
+        h = x.exp()
+        h.register_hook(lambda g: log.append(("h", g.clone())) or g * 2)
+        x.register_post_accumulate_grad_hook(lambda p: log.append(("acc", p.grad.clone())))
+        return (h * x).sum(), [x]
+
+    observe(build, backend="aot_eager")
+
+
+def test_hooks_with_inductor():
+    def build(log, step):
+        x = leaf(8, 8)
+        h = (x @ x).relu()
+        h.register_hook(lambda g: log.append(("h", g.clone())) or g * 2)
+        return h.sum(), [x]
+
+    observe(build, backend="inductor")
+
+
+def test_hook_error_propagates_like_eager():
+    def run():
+        x = leaf(3)
+        y = x * 2
+        y.register_hook(lambda g: g[:2])  # wrong shape
+        y.sum().backward()
+
+    with pytest.raises(RuntimeError) as eager:
+        run()
+    with pytest.raises(RuntimeError) as compiled:
+        with ca.enable("eager"):
+            run()
+    assert str(compiled.value) == str(eager.value)
