@@ -26,7 +26,7 @@ def _compare_logs(got, want, what):
             assert g == w, f"{what} #{i}: {g!r} vs {w!r}"
 
 
-def observe(build, backend="eager", steps=2, captures=1, opaque=0):
+def observe(build, backend="eager", steps=2, captures=1, n_opaque=0, hits=None, **options):
     for step in range(steps):
         runs = []
         for compiled in (False, True):
@@ -34,7 +34,7 @@ def observe(build, backend="eager", steps=2, captures=1, opaque=0):
             torch.manual_seed(step)
             loss, leaves = build(log, step)
             if compiled:
-                with ca.enable(backend, fullgraph=True):
+                with ca.enable(backend, fullgraph=True, **options):
                     loss.backward()
             else:
                 loss.backward()
@@ -45,8 +45,8 @@ def observe(build, backend="eager", steps=2, captures=1, opaque=0):
     s = ca.stats()
     assert s.eager_fallbacks == 0, s.fallback_reasons
     assert s.captures == captures, s
-    assert s.hits == steps - captures, s
-    assert s.opaque_nodes == opaque * steps, s.opaque_reasons
+    assert s.hits == (steps - captures if hits is None else hits), s
+    assert s.opaque_nodes == n_opaque * steps, s.opaque_reasons
     return runs
 
 

@@ -89,8 +89,15 @@ class enable(contextlib.ContextDecorator):
     Also usable as a decorator. Scopes nest; the innermost one wins.
     """
 
-    def __init__(self, backend: BackendLike = "inductor", *, fullgraph: bool = False, cache_size_limit: int = 256):
-        self.config = Config(backend=backend, fullgraph=fullgraph, cache_size_limit=cache_size_limit)
+    def __init__(
+        self,
+        backend: BackendLike = "inductor",
+        *,
+        fullgraph: bool = False,
+        cache_size_limit: int = 256,
+        opaque: tuple = (),
+    ):
+        self.config = Config(backend=backend, fullgraph=fullgraph, cache_size_limit=cache_size_limit, opaque=opaque)
         self._tokens: list = []
 
     def __enter__(self):

@@ -133,13 +133,42 @@ def _collect_pynode(capture, idx: int, lift: _Lifter) -> tuple[tuple, PyNodeInfo
 
 
 def collect(capture) -> Collected:
+    saved_hooks = capture.saved_hooks()
+    pynode_indices = capture.pynode_indices()
+    if not saved_hooks and not pynode_indices:
+        lifted = capture.lifted()
+        return Collected(capture=capture, key=(capture.key(),), lifted=lifted, n_native=len(lifted), unpacked=())
+    return _in_graph_task(lambda: _collect_python(capture, saved_hooks, pynode_indices))
+
+
+def _in_graph_task(fn):
+    """Run fn() inside a (tiny) eager backward.
+
+    Unpack hooks may key their state by the current graph task: non-reentrant
+    checkpointing recomputes a region once per backward, identified by
+    `torch._C._current_graph_task_id()`. Running all of this backward's unpacks
+    inside one eager graph task makes them one backward to such hooks."""
+    out = {}
+    seed = torch.zeros((), requires_grad=True)
+    root = seed.clone()
+
+    def hook(grad):
+        out["value"] = fn()
+        return grad
+
+    root.register_hook(hook)
+    torch.autograd.graph._engine_run_backward((root,), (torch.ones(()),), False, False, (seed,), True, False)
+    return out["value"]
+
+
+def _collect_python(capture, saved_hooks, pynode_indices) -> Collected:
     lifted = list(capture.lifted())
     n_native = len(lifted)
     lift = _Lifter(lifted)
-    unpacked = tuple(lift(_unpack(hook, packed)) for hook, packed in capture.saved_hooks())
+    unpacked = tuple(lift(_unpack(hook, packed)) for hook, packed in saved_hooks)
     pykeys = []
     pynodes = {}
-    for idx in capture.pynode_indices():
+    for idx in pynode_indices:
         k, info = _collect_pynode(capture, idx, lift)
         pykeys.append((idx, k))
         pynodes[idx] = info

@@ -25,12 +25,14 @@ class Config:
                cannot be captured or compiled.
     cache_size_limit: captured graphs kept per process (least recently used
                entries are dropped).
+    opaque:    node names (e.g. "MulBackward0") to run eagerly inside the
+               compiled graph instead of tracing them.
     """
 
     backend: BackendLike = "inductor"
     fullgraph: bool = False
     cache_size_limit: int = 256
-    _check: bool = field(default=True, repr=False)
+    opaque: tuple = ()
 
     def __post_init__(self):
         if isinstance(self.backend, str) and self.backend not in BACKENDS:
@@ -40,6 +42,7 @@ class Config:
             )
         if not isinstance(self.backend, str) and not callable(self.backend):
             raise TypeError(f"compiled_autograd: backend must be a str or callable, got {type(self.backend)}")
+        object.__setattr__(self, "opaque", tuple(sorted(set(self.opaque))))
         if self.cache_size_limit < 1:
             raise ValueError("compiled_autograd: cache_size_limit must be >= 1")
 

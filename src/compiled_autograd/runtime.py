@@ -117,7 +117,7 @@ def _fall_back(cfg: Config, reason: str, eager: Callable[[], Any], user_error: b
 
 def _capture_and_compile(cfg: Config, collected, key) -> CompiledBackward:
     t0 = time.perf_counter()
-    gm, plan = capture_backward(collected)
+    gm, plan = capture_backward(collected, cfg.opaque)
     t1 = time.perf_counter()
     names = tuple(n[0] for n in collected.capture.nodes())
     log.info("compiling a backward graph of %d nodes with %s", len(names), cfg.backend_name)
@@ -148,7 +148,7 @@ def _capture_and_compile(cfg: Config, collected, key) -> CompiledBackward:
 
 
 def _why_new(key, names) -> str:
-    same_backend = [e for k, e in zip(CACHE.keys(), CACHE.entries()) if k[:2] == key[:2]]
+    same_backend = [e for k, e in zip(CACHE.keys(), CACHE.entries()) if k[:3] == key[:3]]
     if not same_backend:
         return "first backward"
     if any(e.node_names == names for e in same_backend):
@@ -197,7 +197,7 @@ def run_backward(
         # misuse (freed graph, modified saved tensor): eager raises the same error
         return _fall_back(cfg, f"collection error: {str(e).splitlines()[0][:120]}", eager, user_error=True)
 
-    key = (cfg.backend, _global_state(), collected.key)
+    key = (cfg.backend, _global_state(), cfg.opaque, collected.key)
     lifted = collected.lifted
     entry = CACHE.get(key)
     try:

@@ -262,15 +262,15 @@ class _BackwardTracer:
         node = capture.node_object(idx)
         materialize, materialize_non_diff, _, is_variable_input = info.flags
         metas = capture.input_metadata(idx)
+        output_info = capture.pynode_output_info(idx)
         inputs = []
-        for g, m in zip(grads, metas):
-            if g is None and materialize:
-                if m is None:
-                    if materialize_non_diff:
-                        raise NeedsOpaque(idx, "materialized grad of a non-differentiable output")
-                else:
-                    shape, dtype, device = m
-                    g = torch.zeros(shape, dtype=dtype, device=device)
+        # PyNode::apply: undefined grads become zeros shaped like the forward
+        # output, unless materialization is off (also for non-differentiable
+        # outputs, separately)
+        for g, m, info_i in zip(grads, metas, output_info):
+            if g is None and materialize and info_i is not None and (m is not None or materialize_non_diff):
+                shape, dtype, device = info_i
+                g = torch.zeros(shape, dtype=dtype, device=device)
             inputs.append(g)
         capture_swap = None
         originals = {}
@@ -330,9 +330,11 @@ def _rebuild(value, collected: Collected, args):
     return go(value)
 
 
-def capture_backward(collected: Collected) -> tuple[torch.fx.GraphModule, Plan]:
+def capture_backward(collected: Collected, opaque_names: tuple = ()) -> tuple[torch.fx.GraphModule, Plan]:
     """Trace the whole backward; nodes that cannot be traced become opaque."""
-    opaque_extra: dict[int, str] = {}
+    opaque_extra: dict[int, str] = {
+        i: "marked opaque" for i, n in enumerate(collected.capture.nodes()) if n[0] in opaque_names and n[1] != ACCUMULATE_KIND
+    }
     for _ in range(len(collected.pynodes) + 1):
         tracer = _BackwardTracer(collected, opaque_extra)
         out: dict[str, Any] = {}

@@ -406,6 +406,29 @@ class GraphCapture {
     return out;
   }
 
+  // A custom Function's forward outputs (what materialized grads look like):
+  // (shape, dtype, device) or None when the output was empty
+  py::list pynode_output_info(size_t idx) const {
+    auto obj = node_object(idx);
+    TORCH_CHECK(THPFunction_Check(obj.ptr()), "not a custom Function node");
+    auto* f = reinterpret_cast<THPFunction*>(obj.ptr());
+    py::list out;
+    for (auto& info : f->output_info) {
+      if (info.is_empty) {
+        out.append(py::none());
+        continue;
+      }
+      std::vector<int64_t> shape;
+      for (auto& s : info.size) {
+        shape.push_back(s.guard_int(__FILE__, __LINE__));
+      }
+      auto dtype = py::reinterpret_borrow<py::object>(
+          reinterpret_cast<PyObject*>(torch::getTHPDtype(info.scalar_type)));
+      out.append(py::make_tuple(shape, dtype, info.device.str()));
+    }
+    return out;
+  }
+
   // PyNode flags Python cannot read: (materialize_grads,
   // materialize_non_diff_grads, boxed_grads_call, is_variable_input)
   py::tuple pynode_flags(size_t idx) const {
@@ -919,6 +942,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("input_metadata", &GraphCapture::input_metadata)
       .def("saved_hooks", &GraphCapture::saved_hooks)
       .def("pynode_flags", &GraphCapture::pynode_flags)
+      .def("pynode_output_info", &GraphCapture::pynode_output_info)
       .def("begin_trace", &GraphCapture::begin_trace)
       .def("root_values", &GraphCapture::root_values)
       .def("apply_node", &GraphCapture::apply_node)

@@ -1,0 +1,312 @@
+"""Custom autograd.Functions, saved-tensor hooks, checkpointing, in-place views."""
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.checkpoint as checkpoint
+from torch.autograd.function import once_differentiable
+
+import compiled_autograd as ca
+from test_hooks import leaf, observe
+
+
+class Scale(torch.autograd.Function):
+    """save_for_backward, non-tensor ctx attributes, a tensor stored on ctx."""
+
+    @staticmethod
+    def forward(ctx, x, w, k):
+        ctx.save_for_backward(x, w)
+        ctx.k = k
+        ctx.shape = x.shape
+        ctx.extra = x.detach() * 2  # a tensor stored directly on ctx
+        return x * w * k
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gx = g * w * ctx.k + ctx.extra * 0.01 if ctx.needs_input_grad[0] else None
+        gw = g * x * ctx.k if ctx.needs_input_grad[1] else None
+        return gx, gw, None
+
+
+def test_function_with_saved_tensors_and_ctx_attributes():
+    def build(log, step):
+        x, w = leaf(3, 4), leaf(4)
+        return Scale.apply(x, w, 2.5).sum(), [x, w]
+
+    observe(build)
+
+
+def test_function_ctx_constant_is_in_the_key():
+    x, w = leaf(3), leaf(3)
+    for k in (2.0, 3.0, 2.0):
+        with ca.enable("eager", fullgraph=True):
+            Scale.apply(x, w, k).sum().backward()
+    assert (ca.stats().captures, ca.stats().hits) == (2, 1)
+    torch.testing.assert_close(w.grad, x.detach() * 7.0)
+
+
+def test_function_needs_input_grad_is_in_the_key():
+    x = leaf(3)
+    for w in (leaf(3), torch.randn(3), leaf(3)):
+        w.grad = None
+        with ca.enable("eager", fullgraph=True):
+            Scale.apply(x, w, 2.0).sum().backward()
+    assert (ca.stats().captures, ca.stats().hits) == (2, 1)
+
+
+class SplitNonDiff(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        idx = x.argmax(-1)
+        ctx.mark_non_differentiable(idx)
+        ctx.save_for_backward(x)
+        return x.sin(), idx
+
+    @staticmethod
+    def backward(ctx, g, gidx):
+        (x,) = ctx.saved_tensors
+        return g * x.cos()
+
+
+def test_mark_non_differentiable():
+    def build(log, step):
+        x = leaf(3, 4)
+        y, idx = SplitNonDiff.apply(x)
+        return (y * idx.float().unsqueeze(-1)).sum(), [x]
+
+    observe(build)
+
+
+class NoMaterialize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.set_materialize_grads(False)
+        return x.clone(), x.clone()
+
+    @staticmethod
+    def backward(ctx, g1, g2):
+        out = torch.zeros_like(g1 if g1 is not None else g2)
+        if g1 is not None:
+            out = out + g1
+        if g2 is not None:
+            out = out + 2 * g2
+        return out
+
+
+def test_set_materialize_grads_false_and_unused_output():
+    def build(log, step):
+        x = leaf(4)
+        a, b = NoMaterialize.apply(x)
+        return a.sum() * 3, [x]  # b unused: its grad is None in backward
+
+    observe(build)
+
+
+class OnceDiff(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.exp()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * x.exp()
+
+
+class CallsAutogradOps(torch.autograd.Function):
+    """A backward that itself runs autograd-recorded ops (under no_grad in backward)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return torch.nn.functional.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.t() @ x
+
+
+def test_once_differentiable_and_backward_with_ops():
+    def build(log, step):
+        x, w = leaf(2, 3), leaf(5, 3)
+        return (OnceDiff.apply(x).sum() + CallsAutogradOps.apply(x, w).pow(2).sum()), [x, w]
+
+    observe(build)
+
+
+class ReturnsNone(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        return a * 2 + b
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2, None  # b requires grad, but gets None
+
+
+def test_backward_returning_none_for_an_input_leaves_grad_none():
+    def build(log, step):
+        a, b = leaf(3), leaf(3)
+        return ReturnsNone.apply(a, b).sum(), [a, b]
+
+    observe(build)
+
+
+class DataDependent(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        scale = float(x.abs().max().item())  # data-dependent: cannot be traced
+        return g * 2 * (1.0 + 0.0 * scale)
+
+
+class NumpyBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.from_numpy(np.asarray(g.numpy()) * 3)
+
+
+class NoneIfSmall(torch.autograd.Function):
+    """Opaque, and returns None at replay only for some values."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a)
+        return a + b
+
+    @staticmethod
+    def backward(ctx, g):
+        (a,) = ctx.saved_tensors
+        if a.sum().item() > 0:
+            return g, g
+        return g, None
+
+
+def test_untraceable_backwards_run_opaquely_and_correctly():
+    def build(log, step):
+        x = leaf(3)
+        y = DataDependent.apply(x.sin()) + NumpyBackward.apply(x.cos())
+        return (y * x).sum(), [x]
+
+    observe(build, n_opaque=2)
+    assert any("DataDependentBackward" in r for r in ca.stats().opaque_reasons)
+
+
+def test_opaque_node_returning_none_keeps_grad_none():
+    a = torch.ones(3, requires_grad=True)
+    b = torch.ones(3, requires_grad=True)
+    for sign in (1.0, -1.0):
+        with torch.no_grad():
+            a.fill_(sign)
+        a.grad = b.grad = None
+        with ca.enable("eager", fullgraph=True):
+            NoneIfSmall.apply(a, b).sum().backward()
+        torch.testing.assert_close(a.grad, torch.ones(3))
+        if sign > 0:
+            torch.testing.assert_close(b.grad, torch.ones(3))
+        else:
+            assert b.grad is None  # as in eager: the opaque node returned None
+    s = ca.stats()
+    assert (s.captures, s.hits, s.opaque_nodes) == (1, 1, 2)
+
+
+def test_mark_opaque_by_node_name():
+    def build(log, step):
+        x = leaf(3, 4)
+        return (x.exp() * x.sin()).sum(), [x]
+
+    observe(build, n_opaque=1, opaque=("ExpBackward0",))
+
+
+# -- saved tensor hooks and checkpointing ---------------------------------------
+
+
+def test_saved_tensors_hooks():
+    def build(log, step):
+        def pack(t):
+            log.append(("pack", tuple(t.shape)))
+            return t * 1
+
+        def unpack(t):
+            log.append(("unpack", tuple(t.shape)))
+            return t
+
+        x = leaf(3, 4)
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            y = (x.exp() * x).sum()
+        return y, [x]
+
+    observe(build)
+
+
+def test_save_on_cpu():
+    def build(log, step):
+        x, w = leaf(3, 4), leaf(4, 5)
+        with torch.autograd.graph.save_on_cpu():
+            y = (x @ w).tanh().sum()
+        return y, [x, w]
+
+    observe(build)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpoint_recomputes_during_backward(use_reentrant):
+    calls = []
+
+    def block(x, w):
+        calls.append(1)
+        return (x @ w).relu() @ w.t()
+
+    def build(log, step):
+        x, w = leaf(2, 4), leaf(4, 4)
+        n0 = len(calls)
+        y = checkpoint.checkpoint(block, x, w, use_reentrant=use_reentrant)
+        log.append(("forward calls", len(calls) - n0))
+        return y.pow(2).sum(), [x, w]
+
+    n_before = len(calls)
+    if use_reentrant:
+        # the checkpoint node runs opaquely; the backward it starts inside is compiled too
+        observe(build, n_opaque=1, captures=2, hits=2)
+    else:
+        observe(build)
+    # every backward (eager and compiled, 2 steps) re-ran the block once
+    assert len(calls) - n_before == 2 * 2 * 2  # 2 steps x (eager, compiled) x (forward, recompute)
+
+
+# -- in-place updates of views (CopySlices) --------------------------------------
+
+
+def test_inplace_updates_of_views():
+    def build(log, step):
+        x, w = leaf(4, 6), leaf(6)
+        z = x * 1
+        z[:, 1:3] = z[:, 1:3] * 2
+        z[0].mul_(w)
+        z[z.detach() > 0.5] += 1
+        return z.pow(2).sum(), [x, w]
+
+    observe(build)
+
+
+def test_functions_under_aot_eager_and_hooks_together():
+    def build(log, step):
+        x, w = leaf(3, 4), leaf(4)
+        y = Scale.apply(x, w, 1.5)
+        y.register_hook(lambda g: log.append(("y", g.clone())) or g * 2)
+        return (y.sin() + DataDependent.apply(y)).sum(), [x, w]
+
+    observe(build, backend="aot_eager", n_opaque=1)
