@@ -200,3 +200,37 @@ def test_hook_error_propagates_like_eager():
         with ca.enable("eager"):
             run()
     assert str(compiled.value) == str(eager.value)
+
+
+def test_ddp_reducer_cpp_hooks_run_in_the_graph():
+    """DDP's reducer registers C++ post hooks on AccumulateGrad and finalizes
+    with queue_callback: both must work from inside the compiled graph."""
+    import socket
+
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed not available")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        ref.load_state_dict(base.state_dict())
+        ddp = nn.parallel.DistributedDataParallel(base, bucket_cap_mb=0.0001)
+        for step in range(3):
+            x = torch.randn(5, 8)
+            ref.zero_grad()
+            ref(x).pow(2).sum().backward()
+            ddp.zero_grad()
+            with ca.enable("aot_eager", fullgraph=True):
+                ddp(x).pow(2).sum().backward()  # a skipped reducer hook fails the next step
+            for p, q in zip(base.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad)
+        s = ca.stats()
+        assert (s.captures, s.hits, s.eager_fallbacks) == (1, 2, 0)
+    finally:
+        dist.destroy_process_group()

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .graph_task import in_graph_task
+
 PYNODE_KIND = 2
 
 
@@ -138,27 +140,9 @@ def collect(capture) -> Collected:
     if not saved_hooks and not pynode_indices:
         lifted = capture.lifted()
         return Collected(capture=capture, key=(capture.key(),), lifted=lifted, n_native=len(lifted), unpacked=())
-    return _in_graph_task(lambda: _collect_python(capture, saved_hooks, pynode_indices))
-
-
-def _in_graph_task(fn):
-    """Run fn() inside a (tiny) eager backward.
-
-    Unpack hooks may key their state by the current graph task: non-reentrant
-    checkpointing recomputes a region once per backward, identified by
-    `torch._C._current_graph_task_id()`. Running all of this backward's unpacks
-    inside one eager graph task makes them one backward to such hooks."""
-    out = {}
-    seed = torch.zeros((), requires_grad=True)
-    root = seed.clone()
-
-    def hook(grad):
-        out["value"] = fn()
-        return grad
-
-    root.register_hook(hook)
-    torch.autograd.graph._engine_run_backward((root,), (torch.ones(()),), False, False, (seed,), True, False)
-    return out["value"]
+    # unpack hooks may key state by the current graph task (non-reentrant
+    # checkpointing recomputes once per backward): run them inside one
+    return in_graph_task(lambda: _collect_python(capture, saved_hooks, pynode_indices))
 
 
 def _collect_python(capture, saved_hooks, pynode_indices) -> Collected:

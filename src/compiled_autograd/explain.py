@@ -17,6 +17,8 @@ def explain() -> str:
             f"  capture {i}: {c['nodes']} nodes, {c['inputs']} inputs, backend {c['backend']}: {c['reason']} "
             f"(trace {c['trace_seconds']:.2f}s, compile {c['compile_seconds']:.2f}s)"
         )
+        for name, why in c.get("opaque", ()):
+            lines.append(f"    opaque: {name}: {why}")
     for reason, n in s.fallback_reasons.most_common():
         lines.append(f"  eager fallback x{n}: {reason}")
     lines.append(f"  cached graphs: {len(CACHE)}")

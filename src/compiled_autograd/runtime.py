@@ -27,6 +27,7 @@ from .config import Config
 from .stats import LOCK, STATS
 from . import ops
 from .collect import collect
+from .graph_task import in_graph_task
 from .trace import capture_backward
 
 log = logging.getLogger("compiled_autograd")
@@ -117,7 +118,7 @@ def _fall_back(cfg: Config, reason: str, eager: Callable[[], Any], user_error: b
 
 def _capture_and_compile(cfg: Config, collected, key) -> CompiledBackward:
     t0 = time.perf_counter()
-    gm, plan = capture_backward(collected, cfg.opaque)
+    gm, plan = in_graph_task(lambda: capture_backward(collected, cfg.opaque))
     t1 = time.perf_counter()
     names = tuple(n[0] for n in collected.capture.nodes())
     log.info("compiling a backward graph of %d nodes with %s", len(names), cfg.backend_name)
@@ -157,8 +158,15 @@ def _why_new(key, names) -> str:
 
 
 def _replay(entry: CompiledBackward, capture, lifted):
-    with ops.replaying(capture, entry.plan.slots), torch.no_grad():
-        return list(entry(lifted))
+    def run():
+        with ops.replaying(capture, entry.plan.slots), torch.no_grad():
+            return list(entry(lifted))
+
+    if entry.plan.slots:
+        # hooks and opaque nodes run inside: give them the engine context they
+        # expect (graph task id, queue_callback), as eager does
+        return in_graph_task(run)
+    return run()
 
 
 def _apply(entry: CompiledBackward, capture, results: list):
