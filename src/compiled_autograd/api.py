@@ -96,8 +96,11 @@ class enable(contextlib.ContextDecorator):
         fullgraph: bool = False,
         cache_size_limit: int = 256,
         opaque: tuple = (),
+        dynamic: bool | None = None,
     ):
-        self.config = Config(backend=backend, fullgraph=fullgraph, cache_size_limit=cache_size_limit, opaque=opaque)
+        self.config = Config(
+            backend=backend, fullgraph=fullgraph, cache_size_limit=cache_size_limit, opaque=opaque, dynamic=dynamic
+        )
         self._tokens: list = []
 
     def __enter__(self):

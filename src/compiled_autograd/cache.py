@@ -1,15 +1,20 @@
-"""Cache: key -> compiled backward.
+"""Cache: graph key -> compiled backwards of that structure.
 
-The key is `(backend, global state, graph key)`; the graph key comes from the
-native collector and covers every value the traced graph bakes in (see NOTE
-[One key per graph] in native/_C.cpp).
+A backward is identified by `(key, sizes)` (collect.py). All compiled graphs
+with the same key form a `Family`:
+  * static entries, looked up by the exact sizes tuple;
+  * dynamic entries: some size positions are symbolic; the entry matches when
+    every other position equals its recorded value and its guards (what the
+    symbolic trace and the compiler assumed about the sizes) hold.
+The key covers every value a traced graph bakes in (NOTE [One key per graph]
+in native/_C.cpp); a guard failure is a miss, never a wrong graph.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
 import torch
@@ -18,56 +23,122 @@ from .trace import Plan
 
 
 @dataclass(frozen=True)
+class Dynamic:
+    """Which sizes a dynamic entry takes as symbols, and its guards."""
+
+    mask: tuple[bool, ...]  # per size position: symbolic?
+    static: tuple  # the sizes at the positions that are not symbolic (None at symbolic ones)
+    size_inputs: tuple[int, ...]  # size-input positions passed to the graph as ints
+    guard_source: str | None  # Python expression over L['t<i>'] (graph inputs), or None
+    guard: Callable | None = field(default=None, compare=False, repr=False)
+
+    def matches(self, sizes: tuple) -> bool:
+        return all(s is None or s == v for s, v in zip(self.static, sizes))
+
+    def extra_args(self, sizes: tuple) -> list[int]:
+        return [sizes[i] for i in self.size_inputs]
+
+    def check(self, args) -> bool:
+        if self.guard is None:
+            return True
+        return bool(self.guard({f"t{i}": a for i, a in enumerate(args)}))
+
+    @property
+    def symbolic(self) -> tuple[int, ...]:
+        return tuple(i for i, m in enumerate(self.mask) if m)
+
+
+@dataclass(frozen=True)
 class CompiledBackward:
     """One captured and compiled backward graph (a frozen value)."""
 
     fn: Callable
     graph: torch.fx.GraphModule
-    plan: "Plan"
+    plan: Plan
     backend: str
     node_names: tuple[str, ...]
     num_inputs: int
     reason: str
     trace_seconds: float
     compile_seconds: float
+    sizes: tuple = ()
+    dynamic: Dynamic | None = None
 
-    def __call__(self, lifted):
-        return self.fn(*lifted)
+    def __call__(self, args):
+        return self.fn(*args)
+
+
+class Family:
+    """The compiled graphs of one key."""
+
+    def __init__(self):
+        self.static: OrderedDict[tuple, CompiledBackward] = OrderedDict()
+        self.dynamic: list[CompiledBackward] = []
+
+    def lookup(self, sizes: tuple, lifted) -> tuple[CompiledBackward | None, list]:
+        entry = self.static.get(sizes)
+        if entry is not None:
+            return entry, []
+        for entry in reversed(self.dynamic):
+            d = entry.dynamic
+            if d.matches(sizes):
+                extra = d.extra_args(sizes)
+                if d.check(list(lifted) + extra):
+                    return entry, extra
+        return None, []
+
+    def add(self, entry: CompiledBackward) -> None:
+        if entry.dynamic is None:
+            self.static[entry.sizes] = entry
+        else:
+            self.dynamic.append(entry)
+
+    def entries(self) -> list[CompiledBackward]:
+        return list(self.static.values()) + list(self.dynamic)
+
+    def __len__(self) -> int:
+        return len(self.static) + len(self.dynamic)
 
 
 class Cache:
     def __init__(self):
-        self._entries: OrderedDict[Hashable, CompiledBackward] = OrderedDict()
+        self._families: OrderedDict[Hashable, Family] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: Hashable) -> CompiledBackward | None:
+    def family(self, key: Hashable, create: bool = False) -> Family | None:
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                self._entries.move_to_end(key)
-            return entry
+            fam = self._families.get(key)
+            if fam is None and create:
+                fam = self._families[key] = Family()
+            if fam is not None:
+                self._families.move_to_end(key)
+            return fam
 
-    def put(self, key: Hashable, entry: CompiledBackward, limit: int) -> None:
+    def evict(self, limit: int) -> None:
         with self._lock:
-            self._entries[key] = entry
-            self._entries.move_to_end(key)
-            while len(self._entries) > limit:
-                self._entries.popitem(last=False)
+            while sum(len(f) for f in self._families.values()) > limit and len(self._families) > 1:
+                self._families.popitem(last=False)
+            # a single family over the limit drops its oldest static entries
+            for fam in self._families.values():
+                while len(fam) > limit and fam.static:
+                    fam.static.popitem(last=False)
+                while len(fam) > limit and fam.dynamic:
+                    fam.dynamic.pop(0)
 
     def entries(self) -> list[CompiledBackward]:
         with self._lock:
-            return list(self._entries.values())
+            return [e for f in self._families.values() for e in f.entries()]
 
-    def keys(self) -> list[Hashable]:
+    def items(self) -> list[tuple[Hashable, Family]]:
         with self._lock:
-            return list(self._entries.keys())
+            return list(self._families.items())
 
     def clear(self) -> None:
         with self._lock:
-            self._entries.clear()
+            self._families.clear()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return sum(len(f) for f in self._families.values())
 
 
 CACHE = Cache()

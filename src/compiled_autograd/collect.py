@@ -39,18 +39,45 @@ class PyNodeInfo:
 
 @dataclass
 class Collected:
+    """One backward's graph: `key` (structure, constants, tensor metadata and
+    layouts) and `sizes` (the node SymInts, then each lifted tensor's dims)
+    together identify a static graph; a dynamic graph matches `key`, the
+    sizes it keeps static, and its guards."""
+
     capture: Any
     key: tuple
+    sizes: tuple
+    n_size_inputs: int
     lifted: list
     n_native: int
     unpacked: tuple  # lifted index of each tensor unpacked from a saved-tensor hook
     pynodes: dict = field(default_factory=dict)
 
 
+def layout_signature(t: torch.Tensor):
+    """What a tensor's strides are, as far as the key is concerned: 'C' or
+    channels-last when they follow from its sizes, else the strides."""
+    if t.is_contiguous():
+        return "C"
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        return "L"
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
+        return "M"
+    return t.stride()
+
+
 def tensor_key(t: torch.Tensor) -> tuple:
     if t.layout != torch.strided or type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise _Unkeyable("tensor subclass or non-strided tensor")
-    return (t.dtype, t.device, t.shape, t.stride(), t.storage_offset(), t.requires_grad, t.is_conj(), t.is_neg())
+    layout = layout_signature(t)
+    return (t.dtype, t.device, t.dim(), layout if isinstance(layout, str) else "S", t.requires_grad, t.is_conj(), t.is_neg())
+
+
+def geometry(t: torch.Tensor) -> tuple:
+    """A lifted tensor's entries in the sizes vector (same order as native)."""
+    layout = layout_signature(t)
+    strides = () if isinstance(layout, str) else tuple(t.stride())
+    return tuple(t.shape) + strides + (t.storage_offset(),)
 
 
 class _Lifter:
@@ -139,7 +166,15 @@ def collect(capture) -> Collected:
     pynode_indices = capture.pynode_indices()
     if not saved_hooks and not pynode_indices:
         lifted = capture.lifted()
-        return Collected(capture=capture, key=(capture.key(),), lifted=lifted, n_native=len(lifted), unpacked=())
+        return Collected(
+            capture=capture,
+            key=(capture.key(),),
+            sizes=tuple(capture.sizes()),
+            n_size_inputs=capture.num_size_inputs(),
+            lifted=lifted,
+            n_native=len(lifted),
+            unpacked=(),
+        )
     # unpack hooks may key state by the current graph task (non-reentrant
     # checkpointing recomputes once per backward): run them inside one
     return in_graph_task(lambda: _collect_python(capture, saved_hooks, pynode_indices))
@@ -157,7 +192,17 @@ def _collect_python(capture, saved_hooks, pynode_indices) -> Collected:
         pykeys.append((idx, k))
         pynodes[idx] = info
     key = (capture.key(), tuple(pykeys), len(unpacked), tuple(lift.extra_keys))
-    return Collected(capture=capture, key=key, lifted=lifted, n_native=n_native, unpacked=unpacked, pynodes=pynodes)
+    sizes = tuple(capture.sizes()) + tuple(d for t in lifted[n_native:] for d in geometry(t))
+    return Collected(
+        capture=capture,
+        key=key,
+        sizes=sizes,
+        n_size_inputs=capture.num_size_inputs(),
+        lifted=lifted,
+        n_native=n_native,
+        unpacked=unpacked,
+        pynodes=pynodes,
+    )
 
 
 def _unpack(hook, packed):

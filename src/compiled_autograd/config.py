@@ -27,12 +27,17 @@ class Config:
                entries are dropped).
     opaque:    node names (e.g. "MulBackward0") to run eagerly inside the
                compiled graph instead of tracing them.
+    dynamic:   None (default): the first graph of a structure is static; when
+               the same structure comes back with other sizes, the sizes that
+               changed become symbolic in one more capture. True: symbolic
+               from the first capture. False: always static.
     """
 
     backend: BackendLike = "inductor"
     fullgraph: bool = False
     cache_size_limit: int = 256
     opaque: tuple = ()
+    dynamic: bool | None = None
 
     def __post_init__(self):
         if isinstance(self.backend, str) and self.backend not in BACKENDS:

@@ -19,6 +19,10 @@ def explain() -> str:
         )
         for name, why in c.get("opaque", ()):
             lines.append(f"    opaque: {name}: {why}")
+        if c.get("dynamic"):
+            shown = ", ".join(c["dynamic"][:12]) + (" ..." if len(c["dynamic"]) > 12 else "")
+            lines.append(f"    symbolic sizes: {shown}")
+            lines.append(f"    guards: {c.get('guards') or 'none'}")
     for reason, n in s.fallback_reasons.most_common():
         lines.append(f"  eager fallback x{n}: {reason}")
     lines.append(f"  cached graphs: {len(CACHE)}")

@@ -22,13 +22,13 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import native
 from .backends import compile_graph
-from .cache import CACHE, CompiledBackward
+from .cache import CACHE, CompiledBackward, Dynamic
 from .config import Config
 from .stats import LOCK, STATS
 from . import ops
 from .collect import collect
 from .graph_task import in_graph_task
-from .trace import capture_backward
+from .trace import capture_backward, guards_of, tensor_positions
 
 log = logging.getLogger("compiled_autograd")
 
@@ -116,51 +116,136 @@ def _fall_back(cfg: Config, reason: str, eager: Callable[[], Any], user_error: b
     return result
 
 
-def _capture_and_compile(cfg: Config, collected, key) -> CompiledBackward:
+def _capture_and_compile(cfg: Config, collected, key, mask, reason: str) -> CompiledBackward:
     t0 = time.perf_counter()
-    gm, plan = in_graph_task(lambda: capture_backward(collected, cfg.opaque))
+    captured = in_graph_task(lambda: capture_backward(collected, cfg.opaque, mask))
     t1 = time.perf_counter()
     names = tuple(n[0] for n in collected.capture.nodes())
-    log.info("compiling a backward graph of %d nodes with %s", len(names), cfg.backend_name)
-    fn = compile_graph(cfg.backend, gm, collected.lifted)
+    dynamic = None
+    if captured.mask is not None and any(captured.mask):
+        log.info("compiling a dynamic backward graph of %d nodes with %s", len(names), cfg.backend_name)
+        fn = compile_graph(cfg.backend, captured.graph, captured.example_inputs, dynamic=True)
+        source, guard = guards_of(captured)
+        sizes = collected.sizes
+        dynamic = Dynamic(
+            mask=captured.mask,
+            static=tuple(None if m else v for m, v in zip(captured.mask, sizes)),
+            size_inputs=captured.size_inputs,
+            guard_source=source,
+            guard=guard,
+        )
+    else:
+        log.info("compiling a backward graph of %d nodes with %s", len(names), cfg.backend_name)
+        fn = compile_graph(cfg.backend, captured.graph, collected.lifted)
     t2 = time.perf_counter()
-    reason = _why_new(key, names)
     entry = CompiledBackward(
         fn=fn,
-        graph=gm,
-        plan=plan,
+        graph=captured.graph,
+        plan=captured.plan,
         backend=cfg.backend_name,
         node_names=names,
         num_inputs=len(collected.lifted),
         reason=reason,
         trace_seconds=t1 - t0,
         compile_seconds=t2 - t1,
+        sizes=collected.sizes,
+        dynamic=dynamic,
     )
     with LOCK:
         STATS.captures += 1
+        STATS.dynamic_captures += dynamic is not None
         STATS.trace_seconds += t1 - t0
         STATS.compile_seconds += t2 - t1
     _capture_log.append(
-        dict(reason=reason, nodes=len(names), backend=cfg.backend_name, opaque=[o[1:] for o in plan.opaque],
-             trace_seconds=t1 - t0, compile_seconds=t2 - t1, inputs=len(collected.lifted))
+        dict(reason=reason, nodes=len(names), backend=cfg.backend_name, opaque=[o[1:] for o in captured.plan.opaque],
+             trace_seconds=t1 - t0, compile_seconds=t2 - t1, inputs=len(collected.lifted),
+             dynamic=_describe_dynamic(collected, dynamic), guards=dynamic.guard_source if dynamic else None)
     )
     log.info("captured %d nodes (%s): trace %.2fs, compile %.2fs", len(names), reason, t1 - t0, t2 - t1)
     return entry
 
 
-def _why_new(key, names) -> str:
-    same_backend = [e for k, e in zip(CACHE.keys(), CACHE.entries()) if k[:3] == key[:3]]
-    if not same_backend:
+def _eligible(collected) -> list[bool]:
+    """Size positions that may become symbolic: all of them (a tensor whose
+    strides do not follow from its sizes gets symbolic strides and offset)."""
+    return [True] * len(collected.sizes)
+
+
+MAX_DYNAMIC_PER_KEY = 3
+
+
+def _plan_capture(cfg: Config, fam, collected) -> tuple[tuple | None, str]:
+    """(which sizes to make symbolic, or None for a static graph; why this capture).
+
+    Policy (the reference's): the first graph of a key is static. When the key
+    comes back with other sizes, the positions that differ from what is cached
+    become symbolic, together with those already symbolic in earlier dynamic
+    graphs of the key; the rest stay static, so kernels stay specialized where
+    nothing varies. When a dynamic graph's guards fail on sizes it covers (the
+    trace or the compiler assumed something, e.g. divisibility), the same
+    positions are captured again with the new sizes as hints, a few times at
+    most; after that, static graphs."""
+    if fam is None or not len(fam):
+        reason = _new_key_reason(collected)
+        if cfg.dynamic is True:
+            return tuple(_eligible(collected)), reason + " (dynamic=True)"
+        return None, reason
+    if cfg.dynamic is False:
+        return None, "same structure, new sizes (dynamic=False)"
+    sizes = collected.sizes
+    covered = [False] * len(sizes)
+    changed = [False] * len(sizes)
+    for e in fam.entries():
+        for i, v in enumerate(sizes):
+            if e.dynamic is not None and e.dynamic.mask[i]:
+                covered[i] = True
+            elif e.sizes[i] != v:
+                changed[i] = True
+    mask = tuple(a or b for a, b in zip(covered, changed))
+    if not any(changed):
+        if len(fam.dynamic) >= MAX_DYNAMIC_PER_KEY:
+            return None, "guards of the dynamic graphs failed; static graph"
+        return mask, "guards of the dynamic graph failed; dynamic again with these sizes"
+    return mask, f"same structure, new sizes: {sum(mask)} sizes symbolic"
+
+
+def _new_key_reason(collected) -> str:
+    entries = CACHE.entries()
+    if not entries:
         return "first backward"
-    if any(e.node_names == names for e in same_backend):
-        return "same nodes as a cached graph, different constants, sizes or tensor metadata"
+    names = tuple(n[0] for n in collected.capture.nodes())
+    if any(e.node_names == names for e in entries):
+        return "same nodes as a cached graph, different constants or tensor metadata"
     return "new graph structure"
 
 
-def _replay(entry: CompiledBackward, capture, lifted):
+def _describe_dynamic(collected, dynamic) -> list[str]:
+    """Human names of the symbolic sizes of a dynamic capture."""
+    if dynamic is None:
+        return []
+    starts = [(n[10], n[0]) for n in collected.capture.nodes()]
+    out = []
+    for i in dynamic.symbolic:
+        if i < collected.n_size_inputs:
+            owner = max((s for s in starts if s[0] <= i), default=(0, "?"), key=lambda s: s[0])[1]
+            out.append(f"{owner} size#{i}")
+            continue
+        for k, (start, dim, with_strides) in enumerate(tensor_positions(collected)):
+            end = start + dim * (2 if with_strides else 1) + 1
+            if start <= i < end:
+                r = i - start
+                what = f"shape[{r}]" if r < dim else ("offset" if i == end - 1 else f"stride[{r - dim}]")
+                out.append(f"input{k}.{what}")
+                break
+    return out
+
+
+def _replay(entry: CompiledBackward, capture, lifted, extra):
+    args = list(lifted) + extra if extra else lifted
+
     def run():
         with ops.replaying(capture, entry.plan.slots), torch.no_grad():
-            return list(entry(lifted))
+            return list(entry(args))
 
     if entry.plan.slots:
         # hooks and opaque nodes run inside: give them the engine context they
@@ -207,16 +292,26 @@ def run_backward(
 
     key = (cfg.backend, _global_state(), cfg.opaque, collected.key)
     lifted = collected.lifted
-    entry = CACHE.get(key)
+    fam = CACHE.family(key)
+    entry, extra = fam.lookup(collected.sizes, lifted) if fam is not None else (None, [])
     try:
         if entry is None:
-            entry = _capture_and_compile(cfg, collected, key)
-            results = _replay(entry, capture, lifted)
-            CACHE.put(key, entry, cfg.cache_size_limit)  # only graphs that ran
+            mask, reason = _plan_capture(cfg, fam, collected)
+            try:
+                entry = _capture_and_compile(cfg, collected, key, mask, reason)
+            except Exception:
+                if mask is None or cfg.fullgraph:
+                    raise
+                log.info("dynamic capture failed, capturing static shapes", exc_info=True)
+                entry = _capture_and_compile(cfg, collected, key, None, reason + "; dynamic capture failed")
+            extra = entry.dynamic.extra_args(collected.sizes) if entry.dynamic else []
+            results = _replay(entry, capture, lifted, extra)
+            CACHE.family(key, create=True).add(entry)  # only graphs that ran
+            CACHE.evict(cfg.cache_size_limit)
         else:
             with LOCK:
                 STATS.hits += 1
-            results = _replay(entry, capture, lifted)
+            results = _replay(entry, capture, lifted, extra)
     except Exception as e:
         if entry is not None and entry.plan.slots:
             raise  # opaque calls (hooks, nodes) may have run: never run the backward twice

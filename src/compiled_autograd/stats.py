@@ -12,6 +12,7 @@ class Stats:
     """Process-wide counters (`ca.stats()` returns a snapshot).
 
     captures:        graphs traced and compiled (cache misses that compiled)
+    dynamic_captures: those of them with symbolic sizes
     hits:            backwards served by a cached compiled graph
     eager_fallbacks: backwards that ran in eager autograd instead
     opaque_nodes:    nodes run eagerly inside a compiled graph (per backward run)
@@ -21,6 +22,7 @@ class Stats:
     """
 
     captures: int = 0
+    dynamic_captures: int = 0
     hits: int = 0
     eager_fallbacks: int = 0
     opaque_nodes: int = 0
@@ -32,6 +34,7 @@ class Stats:
     def snapshot(self) -> "Stats":
         return Stats(
             captures=self.captures,
+            dynamic_captures=self.dynamic_captures,
             hits=self.hits,
             eager_fallbacks=self.eager_fallbacks,
             opaque_nodes=self.opaque_nodes,
@@ -44,7 +47,7 @@ class Stats:
     def __str__(self) -> str:
         reasons = ", ".join(f"{r}: {n}" for r, n in self.fallback_reasons.most_common())
         return (
-            f"captures={self.captures} hits={self.hits} eager_fallbacks={self.eager_fallbacks} "
+            f"captures={self.captures} (dynamic {self.dynamic_captures}) hits={self.hits} eager_fallbacks={self.eager_fallbacks} "
             f"opaque_nodes={self.opaque_nodes} trace={self.trace_seconds:.2f}s "
             f"compile={self.compile_seconds:.2f}s" + (f" fallbacks[{reasons}]" if reasons else "")
         )

@@ -28,7 +28,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._dynamo.source import LocalSource
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import (
+    SYMPY_INTERP,
+    DimDynamic,
+    ShapeEnv,
+    StatelessSymbolicContext,
+)
 
 from . import ops
 from .collect import PYNODE_KIND, Collected
@@ -89,8 +97,10 @@ def _meta(t):
 
 
 class _BackwardTracer:
-    def __init__(self, collected: Collected, opaque_extra: dict[int, str]):
+    def __init__(self, collected: Collected, opaque_extra: dict[int, str], size_inputs=()):
         self.c = collected
+        self.size_inputs = tuple(size_inputs)
+        self.sym_sizes = [None] * collected.n_size_inputs
         self.capture = collected.capture
         self.nodes = self.capture.nodes()
         self.opaque_extra = opaque_extra
@@ -156,7 +166,12 @@ class _BackwardTracer:
     # -- the loop -------------------------------------------------------------
     def run(self, args):
         c, capture = self.c, self.capture
-        capture.begin_trace(list(args[: c.n_native]), [args[i] for i in c.unpacked])
+        n = len(c.lifted)
+        sym = [None] * c.n_size_inputs
+        for j, s in zip(self.size_inputs, args[n:]):
+            sym[j] = s
+        self.sym_sizes = sym
+        capture.begin_trace(list(args[: c.n_native]), [args[i] for i in c.unpacked], sym)
         try:
             return self._run(args)
         finally:
@@ -179,7 +194,7 @@ class _BackwardTracer:
 
         captured = [(-1, -1)] * capture.num_results()
         for idx, node in enumerate(self.nodes):
-            name, kind, execute, _, _, edges, caps, hooks, n_inputs = node
+            name, kind, execute, _, _, edges, caps, hooks, n_inputs, _, _ = node
             n_tensor_pre, n_retains, n_pre, n_post, post_acc = hooks
             values = buffers.pop(idx, [None] * n_inputs)
             if n_tensor_pre or n_retains:
@@ -235,15 +250,16 @@ class _BackwardTracer:
         return self.capture.apply_node(idx, tensors)
 
     def _opaque_node(self, idx, values):
-        edges = self.nodes[idx][5]
+        edges, edge_sizes = self.nodes[idx][5], self.nodes[idx][9]
         metas = []
-        for to, nr in edges:
+        for (to, nr), pos in zip(edges, edge_sizes):
             m = None
-            if to >= 0:
-                md = self.capture.input_metadata(to)[nr]
-                if md is not None:
-                    shape, dtype, device = md
-                    m = (list(shape), dtype, device)
+            md = self.capture.input_metadata(to)[nr] if to >= 0 else None
+            if md is not None:
+                # the output's shape, symbolic where the edge's metadata sizes are
+                shape, dtype, device = md
+                dims = [v if self.sym_sizes[pos + d] is None else self.sym_sizes[pos + d] for d, v in enumerate(shape)]
+                m = (dims, dtype, device)
             metas.append(m)
         tensors = [v.t if v is not None else None for v in values]
         outs, flag = self._call(ops.NODE, idx, tensors, metas, flags=True)
@@ -330,13 +346,72 @@ def _rebuild(value, collected: Collected, args):
     return go(value)
 
 
-def capture_backward(collected: Collected, opaque_names: tuple = ()) -> tuple[torch.fx.GraphModule, Plan]:
-    """Trace the whole backward; nodes that cannot be traced become opaque."""
+@dataclass
+class Captured:
+    graph: torch.fx.GraphModule
+    plan: Plan
+    example_inputs: list  # fake tensors (and SymInts of dynamic size inputs) the graph was traced with
+    mask: tuple | None  # per size position: symbolic? (None: static graph)
+    size_inputs: tuple  # size-input positions that are graph inputs
+    guard_source: str | None
+    shape_env: ShapeEnv
+
+
+def tensor_positions(collected: Collected) -> list[tuple[int, int, bool]]:
+    """For each lifted tensor, where its geometry sits in the sizes vector:
+    (start, dim, strides included); then come the storage offset."""
+    from .collect import layout_signature
+
+    out, pos = [], collected.n_size_inputs
+    for t in collected.lifted:
+        with_strides = not isinstance(layout_signature(t), str)
+        out.append((pos, t.dim(), with_strides))
+        pos += t.dim() * (2 if with_strides else 1) + 1
+    return out
+
+
+def _fake_inputs(collected: Collected, mask):
+    """Fake versions of the lifted tensors, and SymInts for the size inputs
+    marked in `mask`; every other size stays static. A tensor's dims are
+    symbolic where the mask says; if its strides or offset are marked, all of
+    its dims are (its strides and offset then follow as expressions or
+    symbols). Returns also the mask of positions that really are symbolic (a
+    0/1 size, for one, is specialized)."""
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=False)
+    sizes, n_si = collected.sizes, collected.n_size_inputs
+    real_mask = [False] * len(sizes)
+    fakes = []
+    for i, (t, (start, dim, with_strides)) in enumerate(zip(collected.lifted, tensor_positions(collected))):
+        end = start + dim * (2 if with_strides else 1) + 1
+        whole = bool(mask) and any(mask[start + dim : end])
+        dims = [DimDynamic.DYNAMIC if mask and (whole or mask[start + d]) else DimDynamic.STATIC for d in range(dim)]
+        context = StatelessSymbolicContext(dynamic_sizes=dims, constraint_sizes=[None] * dim)
+        f = mode.from_tensor(t, symbolic_context=context, source=LocalSource(f"lifted{i}"))
+        geo = list(f.shape) + (list(f.stride()) if with_strides else []) + [f.storage_offset()]
+        for k, g in enumerate(geo):
+            real_mask[start + k] = isinstance(g, torch.SymInt)
+        fakes.append(f)
+    symints, size_inputs = [], []
+    for j in range(n_si):
+        if mask and mask[j]:
+            v = shape_env.create_unspecified_symint_and_symbol(sizes[j], LocalSource(f"size{j}"), DimDynamic.DYNAMIC)
+            if isinstance(v, torch.SymInt):
+                symints.append(v)
+                size_inputs.append(j)
+                real_mask[j] = True
+    return mode, shape_env, fakes, symints, tuple(size_inputs), tuple(real_mask) if mask else None
+
+
+def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None) -> Captured:
+    """Trace the whole backward (symbolic where `mask` says); nodes that cannot
+    be traced become opaque."""
     opaque_extra: dict[int, str] = {
         i: "marked opaque" for i, n in enumerate(collected.capture.nodes()) if n[0] in opaque_names and n[1] != ACCUMULATE_KIND
     }
     for _ in range(len(collected.pynodes) + 1):
-        tracer = _BackwardTracer(collected, opaque_extra)
+        mode, shape_env, fakes, symints, size_inputs, real_mask = _fake_inputs(collected, mask)
+        tracer = _BackwardTracer(collected, opaque_extra, size_inputs)
         out: dict[str, Any] = {}
 
         def backward_graph(*args):
@@ -345,8 +420,8 @@ def capture_backward(collected: Collected, opaque_names: tuple = ()) -> tuple[to
             return results
 
         try:
-            with torch.no_grad():
-                gm = make_fx(backward_graph, tracing_mode="fake", _allow_non_fake_inputs=False)(*collected.lifted)
+            with torch.no_grad(), mode:
+                gm = make_fx(backward_graph, tracing_mode="real", _allow_non_fake_inputs=False)(*fakes, *symints)
         except NeedsOpaque as e:
             opaque_extra[e.idx] = e.reason
             continue
@@ -364,5 +439,17 @@ def capture_backward(collected: Collected, opaque_names: tuple = ()) -> tuple[to
             opaque=opaque,
             num_results=len(tracer.results),
         )
-        return gm, plan
+        return Captured(gm, plan, fakes + symints, real_mask, size_inputs, None, shape_env)
     raise RuntimeError("compiled_autograd: could not trace this backward")
+
+
+def guards_of(captured: Captured):
+    """The guard expression of a dynamic capture, after compilation (backends
+    may add guards to the same ShapeEnv) and a compiled evaluator for it."""
+    if captured.mask is None:
+        return None, None
+    source = captured.shape_env.produce_guards_expression(captured.example_inputs)
+    if source is None:
+        return None, None
+    code = compile(source, "<compiled_autograd guards>", "eval")
+    return source, lambda L: eval(code, SYMPY_INTERP, {"L": L})

@@ -38,6 +38,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/dynamo/compiled_autograd.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <queue>
 #include <typeindex>
@@ -244,7 +245,8 @@ struct NodeRecord {
   bool execute = true;
   bool opaque = false;
   std::string opaque_reason;
-  size_t size_start = 0;
+  size_t size_start = 0; // first of its SymInts in the size inputs
+  size_t edge_size_start = 0; // first of its edges' metadata sizes
   // (index in order, input_nr); index -1: not run in this backward; -2: invalid edge
   std::vector<std::pair<int64_t, uint32_t>> edges;
   std::vector<std::pair<uint32_t, size_t>> captures; // (input_nr, result index)
@@ -291,6 +293,19 @@ class GraphCapture {
     return py::bytes(key_);
   }
 
+  const std::vector<int64_t>& sizes() const {
+    return sizes_;
+  }
+
+  // where each node's part of the key starts (for explaining a miss)
+  const std::vector<size_t>& node_key_offsets() const {
+    return node_key_offsets_;
+  }
+
+  size_t num_size_inputs() const {
+    return call_.all_size_inputs.size();
+  }
+
   std::vector<at::Tensor> lifted() const {
     return call_.tensor_args.inputs;
   }
@@ -305,13 +320,26 @@ class GraphCapture {
 
   // One tuple per node in execution order:
   // (name, kind, execute, opaque, opaque_reason, edges, captures,
-  //  (n_tensor_pre, n_retains, n_pre, n_post, post_acc), num_inputs)
+  //  (n_tensor_pre, n_retains, n_pre, n_post, post_acc), num_inputs,
+  //  edge_sizes, size_start) where edge_sizes[i] is the position of edge
+  //  i's input metadata sizes among the size inputs (-1: invalid edge) and
+  //  size_start the position of the node's own first size input
   py::list nodes() const {
     py::list out;
     for (auto& r : nodes_) {
       py::list edges;
-      for (auto& [i, nr] : r.edges) {
+      py::list edge_sizes;
+      size_t pos = r.edge_size_start;
+      const auto& next = r.fn->next_edges();
+      for (size_t k = 0; k < r.edges.size(); ++k) {
+        auto [i, nr] = r.edges[k];
         edges.append(py::make_tuple(i, nr));
+        if (next[k].is_valid()) {
+          edge_sizes.append(static_cast<int64_t>(pos));
+          pos += next[k].function->input_metadata(next[k].input_nr).shape_as_dim_vector().size();
+        } else {
+          edge_sizes.append(-1);
+        }
       }
       py::list caps;
       for (auto& [nr, o] : r.captures) {
@@ -326,7 +354,9 @@ class GraphCapture {
           edges,
           caps,
           py::make_tuple(r.n_tensor_pre, r.n_retains, r.n_pre, r.n_post, r.post_acc),
-          r.fn->num_inputs()));
+          r.fn->num_inputs(),
+          edge_sizes,
+          r.size_start));
     }
     return out;
   }
@@ -444,23 +474,58 @@ class GraphCapture {
 
   void begin_trace(
       const std::vector<at::Tensor>& proxies,
-      const std::vector<at::Tensor>& unpacked_proxies) {
+      const std::vector<at::Tensor>& unpacked_proxies,
+      const std::vector<std::optional<c10::SymInt>>& sym_sizes) {
     auto& args = call_.tensor_args;
     TORCH_CHECK(proxies.size() == args.inputs.size(), "proxy count mismatch");
     for (size_t i = 0; i < proxies.size(); ++i) {
       args.lookup(args.inputs[i]).proxy_tensor = proxies[i];
     }
     unpacked_proxies_ = unpacked_proxies;
-    std::vector<std::optional<c10::SymInt>> sym_sizes(call_.all_size_inputs.size());
-    state_ = std::make_unique<cad::TraceState>(std::move(sym_sizes), 0);
+    TORCH_CHECK(sym_sizes.size() == call_.all_size_inputs.size(), "size count mismatch");
+    state_ = std::make_unique<cad::TraceState>(
+        std::vector<std::optional<c10::SymInt>>(sym_sizes), 0);
   }
 
   // Root grads validated against the root edges, as Engine::execute does.
   std::vector<std::optional<at::Tensor>> root_values(
       const std::vector<std::optional<at::Tensor>>& grads) {
     variable_list values = to_variables(grads);
-    torch::autograd::validate_outputs(root_edges_, values, [](const std::string& m) { return m; });
+    if (nodes_.empty()) {
+      return grads;
+    }
+    with_symbolic_edges(nodes_[0].fn, root_edges_, 0, [&]() {
+      torch::autograd::validate_outputs(root_edges_, values, [](const std::string& m) { return m; });
+    });
     return from_variables(values);
+  }
+
+  // Run f with the input metadata that `edges` point to swapped for the
+  // trace's symbolic sizes (collected from `start`), so that validating a
+  // grad of symbolic shape does not specialize it. Restored even on error.
+  template <typename F>
+  void with_symbolic_edges(const c10::intrusive_ptr<Node>& fn, std::vector<Edge>& edges, size_t start, const F& f) {
+    if (!state_) {
+      f();
+      return;
+    }
+    auto& node_call = call_.node_calls.lookup(fn);
+    cad::SwapSavedVariables saved(call_, *state_, Py_None, node_call);
+    state_->sym_sizes_index = start;
+    for (auto& e : edges) {
+      saved.before(e);
+    }
+    try {
+      f();
+    } catch (...) {
+      for (auto& e : edges) {
+        saved.after(e);
+      }
+      throw;
+    }
+    for (auto& e : edges) {
+      saved.after(e);
+    }
   }
 
   std::vector<std::optional<at::Tensor>> apply_node(
@@ -486,10 +551,13 @@ class GraphCapture {
   std::vector<std::optional<at::Tensor>> validate(
       size_t idx,
       const std::vector<std::optional<at::Tensor>>& outputs) {
-    auto& fn = nodes_.at(idx).fn;
+    auto& r = nodes_.at(idx);
+    auto& fn = r.fn;
     variable_list outs = to_variables(outputs);
-    torch::autograd::validate_outputs(
-        fn->next_edges(), outs, [&](const std::string& m) { return "Function " + fn->name() + " " + m; });
+    with_symbolic_edges(fn, fn->next_edges(), r.edge_size_start, [&]() {
+      torch::autograd::validate_outputs(
+          fn->next_edges(), outs, [&](const std::string& m) { return "Function " + fn->name() + " " + m; });
+    });
     return from_variables(outs);
   }
 
@@ -775,12 +843,23 @@ class GraphCapture {
       append_pod(key_, e.input_nr);
     }
 
+    // -- key: the metadata root grads are validated against
+    if (!nodes_.empty()) {
+      auto& first_call = call_.node_calls.lookup(nodes_[0].fn);
+      cad::CompiledNodeArgs root_args(call_, first_call);
+      root_args.collect(root_edges_);
+      auto k = root_args.key();
+      append_pod(key_, static_cast<uint32_t>(k.key_size));
+      key_.append(reinterpret_cast<const char*>(k.key), k.key_size);
+    }
+
     // -- key: nodes
     for (size_t idx = 0; idx < nodes_.size(); ++idx) {
       auto& r = nodes_[idx];
       const auto& fn = r.fn;
       const TypeInfo& ti = type_info_of(*fn);
       r.kind = ti.kind;
+      node_key_offsets_.push_back(key_.size());
       append_pod(key_, ti.id);
       append_pod(key_, static_cast<uint8_t>(r.execute));
       if (!r.execute) {
@@ -824,6 +903,7 @@ class GraphCapture {
       }
       append_pod(key_, static_cast<uint8_t>(r.opaque));
       // edges and the metadata of what they feed, for validate_outputs
+      r.edge_size_start = call_.all_size_inputs.size();
       node_args.collect(fn->next_edges());
       auto k = node_args.key();
       append_pod(key_, static_cast<uint32_t>(k.key_size));
@@ -833,18 +913,25 @@ class GraphCapture {
       fail("lifted scalars of C++ custom functions");
     }
 
-    // -- key: static sizes
+    // -- sizes: the node SymInts, then every lifted tensor's dims. They are
+    //    not in the key bytes: a static graph is keyed by (key, sizes), a
+    //    dynamic one by (key, its static sizes) plus guards (cache.py).
     append_pod(key_, static_cast<uint32_t>(call_.all_size_inputs.size()));
+    sizes_.reserve(call_.all_size_inputs.size() + 4 * call_.tensor_args.inputs.size());
     for (auto& s : call_.all_size_inputs) {
-      append_pod(key_, s.value);
+      sizes_.push_back(s.value);
     }
-    // -- key: lifted tensors' geometry
+    // -- key: lifted tensors' metadata and layout
     append_pod(key_, static_cast<uint32_t>(call_.tensor_args.inputs.size()));
     for (auto& t : call_.tensor_args.inputs) {
       append_tensor_key(t);
     }
   }
 
+  // Dtype, device, flags and layout class of a lifted tensor go in the key;
+  // its geometry goes in sizes_: the sizes, the strides unless they follow
+  // from the sizes (contiguous, channels_last: layout 'C'/'L'/'M'), and the
+  // storage offset.
   void append_tensor_key(const at::Tensor& t) {
     if (t.layout() != at::kStrided) {
       fail("non-strided lifted tensor");
@@ -862,18 +949,31 @@ class GraphCapture {
         (t.unsafeGetTensorImpl()->is_wrapped_number() ? 4 : 0) |
         (t.requires_grad() ? 8 : 0)));
     append_pod(key_, static_cast<uint8_t>(t.dim()));
+    char layout = 'S';
+    if (t.is_contiguous()) {
+      layout = 'C';
+    } else if (t.dim() == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast)) {
+      layout = 'L';
+    } else if (t.dim() == 5 && t.is_contiguous(at::MemoryFormat::ChannelsLast3d)) {
+      layout = 'M';
+    }
+    append_pod(key_, layout);
     for (auto s : t.sizes()) {
-      append_pod(key_, s);
+      sizes_.push_back(s);
     }
-    for (auto s : t.strides()) {
-      append_pod(key_, s);
+    if (layout == 'S') {
+      for (auto s : t.strides()) {
+        sizes_.push_back(s);
+      }
     }
-    append_pod(key_, t.storage_offset());
+    sizes_.push_back(t.storage_offset());
   }
 
   cad::AutogradCompilerCall call_;
   bool accumulate_grad_;
   std::string key_;
+  std::vector<int64_t> sizes_;
+  std::vector<size_t> node_key_offsets_;
   std::vector<NodeRecord> nodes_;
   std::unordered_map<Node*, size_t> index_of_;
   size_t num_results_ = 0;
@@ -932,6 +1032,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("unsupported", &GraphCapture::unsupported)
       .def("key", &GraphCapture::key)
       .def("lifted", &GraphCapture::lifted)
+      .def("sizes", &GraphCapture::sizes)
+      .def("num_size_inputs", &GraphCapture::num_size_inputs)
+      .def("node_key_offsets", &GraphCapture::node_key_offsets)
       .def("num_nodes", &GraphCapture::num_nodes)
       .def("num_results", &GraphCapture::num_results)
       .def("nodes", &GraphCapture::nodes)

@@ -1,0 +1,125 @@
+"""Dynamic shapes: one symbolic capture serves many sizes; guards never let a
+graph run on sizes it was not valid for."""
+
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+
+import compiled_autograd as ca
+from helpers import assert_grads_equal, grads_of
+
+
+def stream(model, shapes, backend="eager", make=None, **options):
+    """Eager vs compiled backward for each input shape; all grads must match."""
+    params = list(model.parameters())
+    make = make or (lambda shape: torch.randn(*shape))
+    for i, shape in enumerate(shapes):
+        torch.manual_seed(i)
+        x = make(shape)
+        for p in params:
+            p.grad = None
+        model(x).float().pow(2).mean().backward()
+        want = grads_of(params)
+        for p in params:
+            p.grad = None
+        loss = model(x).float().pow(2).mean()
+        with ca.enable(backend, fullgraph=True, **options):
+            loss.backward()
+        assert_grads_equal(grads_of(params), want, rtol=1e-4, atol=1e-5, what=f"shape {shape}")
+    s = ca.stats()
+    assert s.eager_fallbacks == 0
+    return s
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+def transformer():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, norm_first=True)
+    return nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+
+
+def shuffled(n, low, high, seed=0):
+    rng = random.Random(seed)
+    return [rng.randint(low, high) for _ in range(n)]
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_mlp_many_batch_sizes_two_captures(backend):
+    shapes = [(b, 16) for b in [7] + shuffled(9, 3, 64)]
+    s = stream(mlp(), shapes, backend)
+    assert (s.captures, s.dynamic_captures) == (2, 1)
+    assert s.hits == len(shapes) - 2
+
+
+def test_transformer_batch_and_sequence_two_captures():
+    rng = random.Random(1)
+    shapes = [(rng.randint(3, 64), rng.randint(5, 128), 16) for _ in range(8)]
+    s = stream(transformer(), shapes, "aot_eager")
+    assert (s.captures, s.dynamic_captures) == (2, 1)
+
+
+def test_cnn_image_sizes():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5),
+    )
+    shapes = [(2, 3, 16, 16), (3, 3, 20, 12), (3, 3, 9, 17), (2, 3, 32, 32), (4, 3, 11, 11)]
+    s = stream(model, shapes, "eager")
+    assert (s.captures, s.dynamic_captures) == (2, 1)
+
+
+def test_dynamic_true_captures_symbolic_from_the_start():
+    s = stream(mlp(), [(5, 16), (9, 16), (33, 16)], "eager", dynamic=True)
+    assert (s.captures, s.dynamic_captures, s.hits) == (1, 1, 2)
+
+
+def test_dynamic_false_keeps_every_size_static():
+    s = stream(mlp(), [(5, 16), (9, 16), (33, 16), (9, 16)], "eager", dynamic=False)
+    assert (s.captures, s.dynamic_captures, s.hits) == (3, 0, 1)
+
+
+def test_only_the_sizes_that_changed_become_symbolic():
+    stream(mlp(), [(5, 16), (9, 16)], "eager")
+    (dyn,) = [e for e in ca.graphs() if e.dynamic is not None]
+    static = [e for e in ca.graphs() if e.dynamic is None][0]
+    # symbolic exactly where the batch (5 -> 9) showed: dims, numels, saved sizes
+    assert dyn.dynamic.mask == tuple(a != b for a, b in zip(static.sizes, dyn.sizes))
+    assert 0 < sum(dyn.dynamic.mask) < len(dyn.sizes)
+    assert "symbolic sizes" in ca.explain()
+
+
+def test_a_size_outside_the_guards_is_a_miss_not_a_wrong_graph():
+    # 0/1 specialization: the dynamic graph assumes a batch of at least 2
+    s = stream(mlp(), [(5, 16), (9, 16), (1, 16), (12, 16), (1, 16)], "eager")
+    assert s.captures == 3  # static 5, dynamic, and batch 1 on its own
+    assert s.hits == 2
+
+
+def test_view_sizes_saved_by_nodes_follow_the_batch():
+    # ViewBackward / SumBackward save sizes: the symbolic trace must use them
+    w = torch.randn(12, 6, requires_grad=True)
+
+    class M(nn.Module):
+        def parameters(self):
+            return iter([w])
+
+        def forward(self, x):
+            b = x.shape[0]
+            h = (x.view(b, 3, 4) * 2).sum(1)  # view + sum(dim)
+            return h.view(b * 4, 1).expand(b * 4, 6) * w[: 4].repeat(b, 1)
+
+    s = stream(M(), [(2, 12), (5, 12), (7, 12), (3, 12)], "eager")
+    assert (s.captures, s.dynamic_captures) == (2, 1)
+
+
+def test_dynamic_with_inductor():
+    shapes = [(b, 16) for b in (6, 11, 40, 3)]
+    s = stream(mlp(), shapes, "inductor")
+    assert (s.captures, s.dynamic_captures) == (2, 1)
