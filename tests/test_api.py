@@ -186,5 +186,31 @@ def test_explain_mentions_each_capture_and_reason():
         x.exp().sum().backward()
     text = ca.explain()
     assert "first backward" in text
-    assert "different constants" in text
+    assert "PowBackward0: a saved constant" in text
     assert "new graph structure" in text
+
+
+def test_dump_writes_code_and_pictures(tmp_path):
+    x = torch.randn(3, 4, requires_grad=True)
+    h = x.exp()
+    h.register_hook(lambda g: g * 2)
+    with ca.enable("eager"):
+        (h * x).sin().sum().backward()
+    files = ca.dump(tmp_path)
+    names = sorted(p.rsplit("/", 1)[-1] for p in files)
+    assert names == ["graph_0.dot", "graph_0.py", "graph_0.svg", "graph_0.txt"]
+    code = (tmp_path / "graph_0.py").read_text()
+    assert "f32[3, 4]" in code and "compiled_autograd.call" in code
+    svg = (tmp_path / "graph_0.svg").read_text()
+    assert "ExpBackward0" in svg and "tensor hooks" in svg
+
+
+def test_logging_status_lines(caplog):
+    import logging
+
+    x = torch.randn(3, requires_grad=True)
+    with caplog.at_level(logging.INFO, logger="compiled_autograd"):
+        with ca.enable("eager"):
+            x.exp().sum().backward()
+    text = caplog.text
+    assert "compiling a backward graph of" in text and "done in" in text

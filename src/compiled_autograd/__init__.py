@@ -6,10 +6,14 @@
 """
 
 from .api import backward, disable, enable, grad, reset, stats
-from .explain import explain, graphs
+from .explain import dump, explain, graphs
+from .logs import configure_logging
 from .runtime import CompiledAutogradError
 
+configure_logging()
+
 __all__ = [
+    "dump",
     "backward",
     "disable",
     "enable",

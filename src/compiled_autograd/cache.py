@@ -63,6 +63,8 @@ class CompiledBackward:
     compile_seconds: float
     sizes: tuple = ()
     dynamic: Dynamic | None = None
+    nodes: tuple = ()  # (name, kind, hooks, opaque reason, edges) per node, for dump()
+    node_keys: tuple = ()  # each node's bytes of the key, then the tensor metadata, for explain()
 
     def __call__(self, args):
         return self.fn(*args)

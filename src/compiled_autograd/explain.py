@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import threading
+import time
+
 from .cache import CACHE
 from .runtime import capture_log
 from .stats import LOCK, STATS
@@ -32,3 +38,103 @@ def explain() -> str:
 def graphs():
     """The cached compiled backwards (each has `.graph`, an FX GraphModule)."""
     return CACHE.entries()
+
+
+# -- dump ----------------------------------------------------------------------------
+
+_KIND = {0: "node", 1: "AccumulateGrad", 2: "custom Function", 3: "opaque"}
+
+
+def dump(path) -> list[str]:
+    """Write every cached graph to `path`: the captured FX graph as readable
+    Python with shapes (graph_<i>.py), how it was captured (graph_<i>.txt),
+    and a picture of the backward graph (graph_<i>.svg, plus .dot) with node
+    kinds, opaque nodes and hooks marked. Returns the files written."""
+    os.makedirs(path, exist_ok=True)
+    written = []
+    for i, e in enumerate(CACHE.entries()):
+        base = os.path.join(path, f"graph_{i}")
+        with open(base + ".py", "w") as f:
+            f.write(f"# compiled_autograd graph {i}: {len(e.node_names)} autograd nodes, backend {e.backend}\n")
+            f.write(f"# {e.reason}\n")
+            f.write(e.graph.print_readable(print_output=False))
+        with open(base + ".txt", "w") as f:
+            f.write(_describe_entry(e))
+        dot = _dot(e)
+        with open(base + ".dot", "w") as f:
+            f.write(dot)
+        with open(base + ".svg", "w") as f:
+            f.write(_svg(e))
+        written += [base + ext for ext in (".py", ".txt", ".dot", ".svg")]
+    return written
+
+
+def _describe_entry(e) -> str:
+    lines = [f"reason: {e.reason}", f"backend: {e.backend}", f"inputs: {e.num_inputs}",
+             f"trace {e.trace_seconds:.2f}s, compile {e.compile_seconds:.2f}s"]
+    if e.dynamic is not None:
+        lines.append(f"symbolic size positions: {list(e.dynamic.symbolic)}")
+        lines.append(f"guards: {e.dynamic.guard_source}")
+    for kind, node, mask in e.plan.slots:
+        lines.append(f"opaque call: {kind} of node #{node} {e.node_names[node]}")
+    return "\n".join(lines) + "\n"
+
+
+def _label(n, i):
+    name, kind, hooks, opaque, _ = n
+    marks = []
+    if opaque:
+        marks.append(f"opaque: {opaque[:40]}")
+    names = ("tensor hooks", "retain_grad", "pre hooks", "post hooks", "post-acc hooks")
+    marks += [m for m, c in zip(names, hooks) if c]
+    return f"#{i} {name}" + (f" [{'; '.join(marks)}]" if marks else "")
+
+
+def _color(n):
+    name, kind, hooks, opaque, _ = n
+    if opaque:
+        return "#f4b183"
+    if any(hooks):
+        return "#ffe699"
+    return {1: "#c5e0b4", 2: "#bdd7ee"}.get(kind, "#ffffff")
+
+
+def _dot(e) -> str:
+    out = ["digraph backward {", "  rankdir=TB; node [shape=box, style=filled, fontname=monospace];"]
+    for i, n in enumerate(e.nodes):
+        out.append(f'  n{i} [label="{_label(n, i)}", fillcolor="{_color(n)}"];')
+        for to, nr in n[4]:
+            if to >= 0:
+                out.append(f"  n{i} -> n{to} [label={nr}];")
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+def _svg(e) -> str:
+    """A self-contained picture: nodes top to bottom in execution order, edges
+    as curves on the side (no graphviz needed)."""
+    from xml.sax.saxutils import escape
+
+    h, w, gap = 22, 520, 8
+    rows = len(e.nodes)
+    height = rows * (h + gap) + 40
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w + 260}" height="{height}" font-family="monospace" font-size="11">',
+           f'<text x="10" y="16">{escape(e.reason)} ({e.backend}, {rows} nodes)</text>']
+    y = lambda i: 30 + i * (h + gap)
+    for i, n in enumerate(e.nodes):
+        out.append(f'<rect x="10" y="{y(i)}" width="{w}" height="{h}" fill="{_color(n)}" stroke="#555"/>')
+        out.append(f'<text x="16" y="{y(i) + 15}">{escape(_label(n, i))}</text>')
+        for to, nr in n[4]:
+            if to > i:
+                x0 = w + 10
+                bend = x0 + 12 + min(220, 6 * (to - i))
+                out.append(
+                    f'<path d="M{x0},{y(i) + h / 2} C{bend},{y(i) + h / 2} {bend},{y(to) + h / 2} {x0},{y(to) + h / 2}" '
+                    f'fill="none" stroke="#888"/>'
+                )
+    legend = [("#c5e0b4", "AccumulateGrad"), ("#bdd7ee", "custom Function"), ("#ffe699", "hooks"), ("#f4b183", "opaque")]
+    for k, (c, t) in enumerate(legend):
+        out.append(f'<rect x="{w + 40}" y="{30 + k * 18}" width="12" height="12" fill="{c}" stroke="#555"/>')
+        out.append(f'<text x="{w + 58}" y="{40 + k * 18}">{t}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"

@@ -27,6 +27,7 @@ from .config import Config
 from .stats import LOCK, STATS
 from . import ops
 from .collect import collect
+from .logs import compile_status
 from .graph_task import in_graph_task
 from .trace import capture_backward, guards_of, tensor_positions
 
@@ -123,8 +124,8 @@ def _capture_and_compile(cfg: Config, collected, key, mask, reason: str) -> Comp
     names = tuple(n[0] for n in collected.capture.nodes())
     dynamic = None
     if captured.mask is not None and any(captured.mask):
-        log.info("compiling a dynamic backward graph of %d nodes with %s", len(names), cfg.backend_name)
-        fn = compile_graph(cfg.backend, captured.graph, captured.example_inputs, dynamic=True)
+        with compile_status(f"compiling a dynamic backward graph of {len(names)} nodes with {cfg.backend_name}"):
+            fn = compile_graph(cfg.backend, captured.graph, captured.example_inputs, dynamic=True)
         source, guard = guards_of(captured)
         sizes = collected.sizes
         dynamic = Dynamic(
@@ -135,9 +136,10 @@ def _capture_and_compile(cfg: Config, collected, key, mask, reason: str) -> Comp
             guard=guard,
         )
     else:
-        log.info("compiling a backward graph of %d nodes with %s", len(names), cfg.backend_name)
-        fn = compile_graph(cfg.backend, captured.graph, collected.lifted)
+        with compile_status(f"compiling a backward graph of {len(names)} nodes with {cfg.backend_name}"):
+            fn = compile_graph(cfg.backend, captured.graph, collected.lifted)
     t2 = time.perf_counter()
+    nodes = tuple((n[0], n[1], n[7], _opaque_reason(captured.plan, i), n[5]) for i, n in enumerate(collected.capture.nodes()))
     entry = CompiledBackward(
         fn=fn,
         graph=captured.graph,
@@ -150,6 +152,8 @@ def _capture_and_compile(cfg: Config, collected, key, mask, reason: str) -> Comp
         compile_seconds=t2 - t1,
         sizes=collected.sizes,
         dynamic=dynamic,
+        nodes=nodes,
+        node_keys=_node_keys(collected.capture),
     )
     with LOCK:
         STATS.captures += 1
@@ -163,6 +167,13 @@ def _capture_and_compile(cfg: Config, collected, key, mask, reason: str) -> Comp
     )
     log.info("captured %d nodes (%s): trace %.2fs, compile %.2fs", len(names), reason, t1 - t0, t2 - t1)
     return entry
+
+
+def _opaque_reason(plan, idx):
+    for i, _, why in plan.opaque:
+        if i == idx:
+            return why
+    return None
 
 
 def _eligible(collected) -> list[bool]:
@@ -209,14 +220,36 @@ def _plan_capture(cfg: Config, fam, collected) -> tuple[tuple | None, str]:
     return mask, f"same structure, new sizes: {sum(mask)} sizes symbolic"
 
 
+def _node_keys(capture) -> tuple:
+    key, offsets = capture.key(), capture.node_key_offsets()
+    return tuple(key[a:b] for a, b in zip(offsets, offsets[1:])) + (key[offsets[-1]:] if offsets else key,)
+
+
 def _new_key_reason(collected) -> str:
+    """Why a key is new: the first node whose part of the key differs from the
+    nearest cached graph with the same nodes, or that the nodes differ."""
     entries = CACHE.entries()
     if not entries:
         return "first backward"
     names = tuple(n[0] for n in collected.capture.nodes())
-    if any(e.node_names == names for e in entries):
-        return "same nodes as a cached graph, different constants or tensor metadata"
-    return "new graph structure"
+    same = [e for e in entries if e.node_names == names]
+    if not same:
+        return "new graph structure (nodes differ from every cached graph)"
+    mine = _node_keys(collected.capture)
+    best = None
+    for e in same:
+        diff = [i for i, (a, b) in enumerate(zip(mine, e.node_keys)) if a != b]
+        if best is None or len(diff) < len(best):
+            best = diff
+    if not best:
+        return "same nodes as a cached graph; custom Function state, saved-tensor hooks or backend options differ"
+    i = best[0]
+    if i == len(names):
+        what = "the lifted tensors' dtype, device, layout or requires_grad"
+    else:
+        what = f"node #{i} {names[i]}: a saved constant, hook count or the metadata of its edges"
+    more = f" (and {len(best) - 1} more)" if len(best) > 1 else ""
+    return f"same nodes as a cached graph, but {what} differ{more}"
 
 
 def _describe_dynamic(collected, dynamic) -> list[str]:

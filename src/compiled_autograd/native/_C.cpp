@@ -297,7 +297,8 @@ class GraphCapture {
     return sizes_;
   }
 
-  // where each node's part of the key starts (for explaining a miss)
+  // where each node's part of the key starts, then where the last ends (for
+  // explaining a miss)
   const std::vector<size_t>& node_key_offsets() const {
     return node_key_offsets_;
   }
@@ -909,6 +910,7 @@ class GraphCapture {
       append_pod(key_, static_cast<uint32_t>(k.key_size));
       key_.append(reinterpret_cast<const char*>(k.key), k.key_size);
     }
+    node_key_offsets_.push_back(key_.size()); // end of the last node
     if (!call_.lifted_ivalue_args.args.empty()) {
       fail("lifted scalars of C++ custom functions");
     }
