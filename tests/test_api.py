@@ -214,3 +214,45 @@ def test_logging_status_lines(caplog):
             x.exp().sum().backward()
     text = caplog.text
     assert "compiling a backward graph of" in text and "done in" in text
+
+
+def test_background_compile_serves_the_traced_graph_then_switches():
+    import threading
+
+    release = threading.Event()
+    compiled = []
+
+    def slow_backend(gm, example_inputs):
+        release.wait(30)  # a compile that takes a while
+        compiled.append(gm)
+        return gm
+
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4)
+    want = torch.autograd.grad((x @ w).tanh().sum(), w)[0]
+    with ca.enable(slow_backend, background=True):
+        (x @ w).tanh().sum().backward()  # returns before the compile finishes
+        assert ca.stats().compiles_pending == 1 and not ca.graphs()[0].compiled
+        torch.testing.assert_close(w.grad, want)
+        w.grad = None
+        release.set()
+        assert ca.synchronize(timeout=30)
+        assert ca.graphs()[0].compiled and len(compiled) == 1
+        (x @ w).tanh().sum().backward()
+    torch.testing.assert_close(w.grad, want)
+    s = ca.stats()
+    assert (s.captures, s.hits, s.compiles_pending, s.eager_fallbacks) == (1, 1, 0, 0)
+
+
+def test_background_compile_failure_keeps_the_traced_graph():
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler today")
+
+    w = torch.randn(4, requires_grad=True)
+    with ca.enable(broken, background=True):
+        for _ in range(3):
+            w.exp().sum().backward()
+            ca.synchronize()
+    torch.testing.assert_close(w.grad, 3 * w.detach().exp())
+    s = ca.stats()
+    assert (s.captures, s.hits, s.compile_failures, s.eager_fallbacks) == (1, 2, 1, 0)

@@ -8,7 +8,7 @@
 from .api import backward, disable, enable, grad, reset, stats
 from .explain import dump, explain, graphs
 from .logs import configure_logging
-from .runtime import CompiledAutogradError
+from .runtime import CompiledAutogradError, synchronize
 
 configure_logging()
 
@@ -22,5 +22,6 @@ __all__ = [
     "graphs",
     "reset",
     "stats",
+    "synchronize",
     "CompiledAutogradError",
 ]

@@ -22,7 +22,7 @@ import torch.autograd
 from . import config as _config
 from .cache import CACHE
 from .config import BackendLike, Config
-from .runtime import reset_runtime, run_backward
+from .runtime import reset_runtime, run_backward, synchronize
 from .trace import is_tracing
 from .stats import LOCK, STATS, Stats, reset_stats
 
@@ -97,9 +97,15 @@ class enable(contextlib.ContextDecorator):
         cache_size_limit: int = 256,
         opaque: tuple = (),
         dynamic: bool | None = None,
+        background: bool | None = None,
     ):
         self.config = Config(
-            backend=backend, fullgraph=fullgraph, cache_size_limit=cache_size_limit, opaque=opaque, dynamic=dynamic
+            backend=backend,
+            fullgraph=fullgraph,
+            cache_size_limit=cache_size_limit,
+            opaque=opaque,
+            dynamic=dynamic,
+            background=background,
         )
         self._tokens: list = []
 
@@ -163,7 +169,8 @@ def stats() -> Stats:
 
 
 def reset() -> None:
-    """Clear the cache and the counters."""
+    """Clear the cache and the counters (after waiting for background compiles)."""
+    synchronize()
     CACHE.clear()
     reset_stats()
     reset_runtime()

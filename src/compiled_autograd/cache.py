@@ -63,6 +63,7 @@ class CompiledBackward:
     compile_seconds: float
     sizes: tuple = ()
     dynamic: Dynamic | None = None
+    compiled: bool = True  # False while a background compile is running (fn replays the FX graph)
     nodes: tuple = ()  # (name, kind, hooks, opaque reason, edges) per node, for dump()
     node_keys: tuple = ()  # each node's bytes of the key, then the tensor metadata, for explain()
 
@@ -98,6 +99,11 @@ class Family:
     def entries(self) -> list[CompiledBackward]:
         return list(self.static.values()) + list(self.dynamic)
 
+    def replace(self, old: CompiledBackward, new: CompiledBackward) -> None:
+        if self.static.get(old.sizes) is old:
+            self.static[old.sizes] = new
+        self.dynamic = [new if e is old else e for e in self.dynamic]
+
     def __len__(self) -> int:
         return len(self.static) + len(self.dynamic)
 
@@ -130,6 +136,13 @@ class Cache:
     def entries(self) -> list[CompiledBackward]:
         with self._lock:
             return [e for f in self._families.values() for e in f.entries()]
+
+    def replace(self, key: Hashable, old: CompiledBackward, new: CompiledBackward) -> None:
+        """Swap an entry for its compiled version (if it is still cached)."""
+        with self._lock:
+            fam = self._families.get(key)
+            if fam is not None:
+                fam.replace(old, new)
 
     def items(self) -> list[tuple[Hashable, Family]]:
         with self._lock:

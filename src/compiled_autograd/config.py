@@ -31,6 +31,8 @@ class Config:
                the same structure comes back with other sizes, the sizes that
                changed become symbolic in one more capture. True: symbolic
                from the first capture. False: always static.
+    background: compile in a background thread and replay the traced graph
+               as is meanwhile (None: only for inductor; off under fullgraph).
     """
 
     backend: BackendLike = "inductor"
@@ -38,6 +40,7 @@ class Config:
     cache_size_limit: int = 256
     opaque: tuple = ()
     dynamic: bool | None = None
+    background: bool | None = None
 
     def __post_init__(self):
         if isinstance(self.backend, str) and self.backend not in BACKENDS:
@@ -50,6 +53,12 @@ class Config:
         object.__setattr__(self, "opaque", tuple(sorted(set(self.opaque))))
         if self.cache_size_limit < 1:
             raise ValueError("compiled_autograd: cache_size_limit must be >= 1")
+
+    @property
+    def background_compile(self) -> bool:
+        if self.background is None:
+            return self.backend == "inductor"
+        return bool(self.background) and self.backend != "eager"
 
     @property
     def backend_name(self) -> str:

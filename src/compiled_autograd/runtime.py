@@ -12,7 +12,9 @@ Anything this path does not handle runs in eager autograd instead, counted in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
 import warnings
 from typing import Any, Callable, Sequence
@@ -122,22 +124,14 @@ def _capture_and_compile(cfg: Config, collected, key, mask, reason: str) -> Comp
     captured = in_graph_task(lambda: capture_backward(collected, cfg.opaque, mask))
     t1 = time.perf_counter()
     names = tuple(n[0] for n in collected.capture.nodes())
-    dynamic = None
-    if captured.mask is not None and any(captured.mask):
-        with compile_status(f"compiling a dynamic backward graph of {len(names)} nodes with {cfg.backend_name}"):
-            fn = compile_graph(cfg.backend, captured.graph, captured.example_inputs, dynamic=True)
-        source, guard = guards_of(captured)
-        sizes = collected.sizes
-        dynamic = Dynamic(
-            mask=captured.mask,
-            static=tuple(None if m else v for m, v in zip(captured.mask, sizes)),
-            size_inputs=captured.size_inputs,
-            guard_source=source,
-            guard=guard,
-        )
+    is_dynamic = captured.mask is not None and any(captured.mask)
+    what = f"compiling a {'dynamic ' if is_dynamic else ''}backward graph of {len(names)} nodes with {cfg.backend_name}"
+    background = cfg.background_compile and not cfg.fullgraph
+    if background:
+        fn = captured.graph  # replay the traced graph as is until the compiled one is ready
     else:
-        with compile_status(f"compiling a backward graph of {len(names)} nodes with {cfg.backend_name}"):
-            fn = compile_graph(cfg.backend, captured.graph, collected.lifted)
+        with compile_status(what):
+            fn = compile_graph(cfg.backend, captured.graph, _example_inputs(captured, collected), dynamic=is_dynamic)
     t2 = time.perf_counter()
     nodes = tuple((n[0], n[1], n[7], _opaque_reason(captured.plan, i), n[5]) for i, n in enumerate(collected.capture.nodes()))
     entry = CompiledBackward(
@@ -151,22 +145,105 @@ def _capture_and_compile(cfg: Config, collected, key, mask, reason: str) -> Comp
         trace_seconds=t1 - t0,
         compile_seconds=t2 - t1,
         sizes=collected.sizes,
-        dynamic=dynamic,
+        dynamic=_dynamic(captured, collected.sizes) if is_dynamic else None,
         nodes=nodes,
         node_keys=_node_keys(collected.capture),
+        compiled=not background,
     )
     with LOCK:
         STATS.captures += 1
-        STATS.dynamic_captures += dynamic is not None
+        STATS.dynamic_captures += is_dynamic
         STATS.trace_seconds += t1 - t0
         STATS.compile_seconds += t2 - t1
     _capture_log.append(
         dict(reason=reason, nodes=len(names), backend=cfg.backend_name, opaque=[o[1:] for o in captured.plan.opaque],
              trace_seconds=t1 - t0, compile_seconds=t2 - t1, inputs=len(collected.lifted),
-             dynamic=_describe_dynamic(collected, dynamic), guards=dynamic.guard_source if dynamic else None)
+             dynamic=_describe_dynamic(collected, entry.dynamic), guards=entry.dynamic.guard_source if entry.dynamic else None,
+             background=background)
     )
     log.info("captured %d nodes (%s): trace %.2fs, compile %.2fs", len(names), reason, t1 - t0, t2 - t1)
+    if background:
+        _compile_in_background(cfg, key, entry, captured, what, len(_capture_log) - 1)
     return entry
+
+
+def _example_inputs(captured, collected):
+    # a static graph compiles against the real tensors; a dynamic one against
+    # the fakes carrying its symbols
+    return captured.example_inputs if captured.mask is not None and any(captured.mask) else collected.lifted
+
+
+def _dynamic(captured, sizes) -> Dynamic:
+    source, guard = guards_of(captured)
+    return Dynamic(
+        mask=captured.mask,
+        static=tuple(None if m else v for m, v in zip(captured.mask, sizes)),
+        size_inputs=captured.size_inputs,
+        guard_source=source,
+        guard=guard,
+    )
+
+
+# NOTE [Background compile]
+# With a slow backend (inductor: seconds to minutes per graph) the first
+# backward of a new graph does not wait: it replays the traced FX graph as is
+# (the same aten ops eager runs), while a thread compiles. When the compile is
+# done, the cache entry is replaced by one running the compiled code. A
+# dynamic graph's guards are recomputed after the compile, since the compiler
+# may add its own; until then the entry keeps the trace's guards, which are
+# all the FX graph needs.
+_pending: set[threading.Thread] = set()
+
+
+def _compile_in_background(cfg: Config, key, entry: CompiledBackward, captured, what: str, log_index: int) -> None:
+    is_dynamic = entry.dynamic is not None
+    # fakes only: the thread must not keep the user's tensors alive
+    example = captured.example_inputs
+
+    def work():
+        t0 = time.perf_counter()
+        try:
+            with compile_status(what + " (in the background)"):
+                fn = compile_graph(cfg.backend, captured.graph, example, dynamic=is_dynamic)
+            dynamic = _dynamic(captured, entry.sizes) if is_dynamic else None
+            done = dataclasses.replace(
+                entry, fn=fn, dynamic=dynamic, compiled=True, compile_seconds=time.perf_counter() - t0
+            )
+            CACHE.replace(key, entry, done)
+            with LOCK:
+                STATS.compile_seconds += time.perf_counter() - t0
+            _capture_log[log_index]["compile_seconds"] = time.perf_counter() - t0
+            if dynamic is not None:
+                _capture_log[log_index]["guards"] = dynamic.guard_source
+        except Exception as e:  # the traced graph keeps serving this backward
+            with LOCK:
+                STATS.compile_failures += 1
+            log.warning("background compile failed, the traced graph stays in use: %s", e, exc_info=True)
+        finally:
+            with LOCK:
+                STATS.compiles_pending -= 1
+                _pending.discard(threading.current_thread())
+
+    thread = threading.Thread(target=work, name="compiled_autograd compile", daemon=True)
+    with LOCK:
+        STATS.compiles_pending += 1
+        _pending.add(thread)
+    thread.start()
+
+
+def synchronize(timeout: float | None = None) -> bool:
+    """Wait for background compiles to finish; True when none is pending."""
+    deadline = None if timeout is None else time.perf_counter() + timeout
+    while True:
+        with LOCK:
+            threads = list(_pending)
+        if not threads:
+            return True
+        for t in threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.perf_counter()))
+        if deadline is not None and time.perf_counter() >= deadline:
+            with LOCK:
+                return not _pending
 
 
 def _opaque_reason(plan, idx):

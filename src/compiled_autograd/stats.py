@@ -19,6 +19,8 @@ class Stats:
     opaque_reasons:  Counter of "node: reason" -> runs
     fallback_reasons: Counter of reason -> number of eager fallbacks
     trace_seconds / compile_seconds: time spent capturing and compiling
+    compiles_pending: background compiles still running (see `synchronize()`)
+    compile_failures: background compiles that failed (the traced graph stays in use)
     """
 
     captures: int = 0
@@ -30,6 +32,8 @@ class Stats:
     opaque_reasons: Counter = field(default_factory=Counter)
     trace_seconds: float = 0.0
     compile_seconds: float = 0.0
+    compiles_pending: int = 0
+    compile_failures: int = 0
 
     def snapshot(self) -> "Stats":
         return Stats(
@@ -42,6 +46,8 @@ class Stats:
             opaque_reasons=Counter(self.opaque_reasons),
             trace_seconds=self.trace_seconds,
             compile_seconds=self.compile_seconds,
+            compiles_pending=self.compiles_pending,
+            compile_failures=self.compile_failures,
         )
 
     def __str__(self) -> str:
