@@ -387,8 +387,8 @@ class GraphCapture {
     py::list out;
     for (size_t i = 0; i < root_edges_.size(); ++i) {
       auto& e = root_edges_[i];
-      auto it = index_of_.find(e.function.get());
-      int64_t idx = it == index_of_.end() ? -1 : static_cast<int64_t>(it->second);
+      auto it = info_.find(e.function.get());
+      int64_t idx = it == info_.end() ? -1 : it->second.index;
       int64_t g = -1;
       if (root_grads_[i].defined()) {
         g = static_cast<int64_t>(call_.tensor_args.lookup(root_grads_[i]).index());
@@ -676,7 +676,7 @@ class GraphCapture {
     nodes_.clear();
     root_edges_.clear();
     root_grads_.clear();
-    index_of_.clear();
+    info_.clear();
     unpacked_proxies_.clear();
   }
 
@@ -707,12 +707,14 @@ class GraphCapture {
       output_edges.push_back(e);
     }
 
-    // -- reachable graph and dependency counts
-    std::unordered_map<Node*, c10::intrusive_ptr<Node>> reach;
-    std::unordered_map<Node*, int> deps;
+    // -- reachable graph and dependency counts (one map for both, sized
+    //    like the previous graph: hashing is a large part of a hit's cost)
+    static thread_local size_t size_hint = 64;
+    info_.reserve(size_hint);
+    auto& reach = info_;
     std::vector<Node*> stack;
     for (auto& e : root_edges_) {
-      if (reach.emplace(e.function.get(), e.function).second) {
+      if (reach.try_emplace(e.function.get(), NodeInfo{e.function}).second) {
         stack.push_back(e.function.get());
       }
     }
@@ -723,8 +725,9 @@ class GraphCapture {
         if (!next.is_valid()) {
           continue;
         }
-        deps[next.function.get()] += 1;
-        if (reach.emplace(next.function.get(), next.function).second) {
+        auto [it, inserted] = reach.try_emplace(next.function.get(), NodeInfo{next.function});
+        it->second.deps += 1;
+        if (inserted) {
           stack.push_back(next.function.get());
         }
       }
@@ -779,9 +782,8 @@ class GraphCapture {
 
     // -- engine order
     std::priority_queue<ReadyEntry, std::vector<ReadyEntry>, CompareReady> ready;
-    std::unordered_map<Node*, int> remaining = deps;
     auto push_if_ready = [&](Node* fn) {
-      if (remaining[fn] == 0 && should_run(fn)) {
+      if (reach.find(fn)->second.deps == 0 && should_run(fn)) {
         ready.push({fn, fn->sequence_nr()});
       }
     };
@@ -796,9 +798,10 @@ class GraphCapture {
     while (!ready.empty()) {
       Node* fn = ready.top().fn;
       ready.pop();
-      index_of_[fn] = nodes_.size();
+      auto& info = reach.find(fn)->second;
+      info.index = static_cast<int64_t>(nodes_.size());
       NodeRecord r;
-      r.fn = reach.at(fn);
+      r.fn = info.fn;
       r.execute = !filtered || needed.count(fn);
       auto cs = capture_spec.find(fn);
       if (cs != capture_spec.end()) {
@@ -810,11 +813,13 @@ class GraphCapture {
       }
       for (const auto& next : fn->next_edges()) {
         if (next.is_valid()) {
-          remaining[next.function.get()] -= 1;
+          reach.find(next.function.get())->second.deps -= 1;
           push_if_ready(next.function.get());
         }
       }
     }
+
+    size_hint = std::max<size_t>(64, reach.size());
 
     // -- key: roots and results
     key_.reserve(64 * nodes_.size());
@@ -825,15 +830,17 @@ class GraphCapture {
       uint32_t id = g.defined() ? call_.tensor_args.add(g).id : 0;
       append_pod(key_, id);
     }
+    std::vector<cad::NodeCall*> calls;
+    calls.reserve(nodes_.size());
     for (auto& r : nodes_) {
-      call_.node_calls.lookup(r.fn); // node ids = execution order
+      calls.push_back(&call_.node_calls.lookup(r.fn)); // node ids = execution order
     }
     auto edge_index = [&](const Edge& e) -> int64_t {
       if (!e.is_valid()) {
         return -2;
       }
-      auto it = index_of_.find(e.function.get());
-      return it == index_of_.end() ? -1 : static_cast<int64_t>(it->second);
+      auto it = info_.find(e.function.get());
+      return it == info_.end() ? -1 : it->second.index;
     };
     for (auto& e : root_edges_) {
       append_pod(key_, edge_index(e));
@@ -882,8 +889,7 @@ class GraphCapture {
       append_pod(key_, r.n_post);
       append_pod(key_, static_cast<uint8_t>(r.post_acc));
 
-      auto& node_call = call_.node_calls.lookup(fn);
-      cad::CompiledNodeArgs node_args(call_, node_call);
+      cad::CompiledNodeArgs node_args(call_, *calls[idx]);
       r.size_start = call_.all_size_inputs.size();
       if (r.kind == GENERIC) {
         try {
@@ -977,7 +983,12 @@ class GraphCapture {
   std::vector<int64_t> sizes_;
   std::vector<size_t> node_key_offsets_;
   std::vector<NodeRecord> nodes_;
-  std::unordered_map<Node*, size_t> index_of_;
+  struct NodeInfo {
+    c10::intrusive_ptr<Node> fn;
+    int deps = 0;
+    int64_t index = -1; // position in nodes_, -1: does not run in this backward
+  };
+  std::unordered_map<Node*, NodeInfo> info_;
   size_t num_results_ = 0;
   std::vector<Edge> root_edges_;
   std::vector<at::Tensor> root_grads_;
