@@ -42,6 +42,7 @@ from . import ops
 from .collect import PYNODE_KIND, Collected
 
 ACCUMULATE_KIND = 1
+MAX_OPAQUE_RETRIES = 16  # traces of one backward, each making one more node opaque
 
 
 @dataclass(frozen=True)
@@ -247,7 +248,14 @@ class _BackwardTracer:
         tensors = [v.t if v is not None else None for v in values]
         if kind == PYNODE_KIND:
             return self._pynode(idx, tensors, args)
-        return self.capture.apply_node(idx, tensors)
+        try:
+            return self.capture.apply_node(idx, tensors)
+        except Exception as e:
+            # a formula that cannot run on fake tensors (data-dependent output
+            # shapes, a missing meta kernel, a functional bound by another
+            # compiler): that node runs as is, the rest stays compiled
+            first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+            raise NeedsOpaque(idx, f"not traceable: {first}") from e
 
     def _opaque_node(self, idx, values):
         edges, edge_sizes = self.nodes[idx][5], self.nodes[idx][9]
@@ -409,7 +417,7 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None) 
     opaque_extra: dict[int, str] = {
         i: "marked opaque" for i, n in enumerate(collected.capture.nodes()) if n[0] in opaque_names and n[1] != ACCUMULATE_KIND
     }
-    for _ in range(len(collected.pynodes) + 1):
+    for _ in range(MAX_OPAQUE_RETRIES):
         mode, shape_env, fakes, symints, size_inputs, real_mask = _fake_inputs(collected, mask)
         tracer = _BackwardTracer(collected, opaque_extra, size_inputs)
         out: dict[str, Any] = {}
