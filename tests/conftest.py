@@ -1,4 +1,7 @@
+import os
 import warnings
+
+os.environ.setdefault("COMPILED_AUTOGRAD_DISK_CACHE", "0")  # tests count captures; test_diskcache opts in
 
 import pytest
 import torch

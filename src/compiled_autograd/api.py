@@ -98,6 +98,7 @@ class enable(contextlib.ContextDecorator):
         opaque: tuple = (),
         dynamic: bool | None = None,
         background: bool | None = None,
+        disk_cache: bool | None = None,
     ):
         self.config = Config(
             backend=backend,
@@ -106,6 +107,7 @@ class enable(contextlib.ContextDecorator):
             opaque=opaque,
             dynamic=dynamic,
             background=background,
+            **({} if disk_cache is None else {"disk_cache": disk_cache}),
         )
         self._tokens: list = []
 

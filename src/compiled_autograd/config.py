@@ -7,6 +7,7 @@ Options are set with `ca.enable(...)` (a context manager) and read through
 from __future__ import annotations
 
 import contextvars
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
@@ -33,6 +34,9 @@ class Config:
                from the first capture. False: always static.
     background: compile in a background thread and replay the traced graph
                as is meanwhile (None: only for inductor; off under fullgraph).
+    disk_cache: store captured static graphs on disk and load them in later
+               processes instead of tracing (default on; the environment
+               variable COMPILED_AUTOGRAD_DISK_CACHE=0 turns it off).
     """
 
     backend: BackendLike = "inductor"
@@ -41,6 +45,7 @@ class Config:
     opaque: tuple = ()
     dynamic: bool | None = None
     background: bool | None = None
+    disk_cache: bool = field(default_factory=lambda: os.environ.get("COMPILED_AUTOGRAD_DISK_CACHE", "1") != "0")
 
     def __post_init__(self):
         if isinstance(self.backend, str) and self.backend not in BACKENDS:

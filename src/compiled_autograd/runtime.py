@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import native
+from . import diskcache, native
 from .backends import compile_graph
 from .cache import CACHE, CompiledBackward, Dynamic
 from .config import Config
@@ -31,7 +31,7 @@ from . import ops
 from .collect import collect
 from .logs import compile_status
 from .graph_task import in_graph_task
-from .trace import capture_backward, guards_of, tensor_positions
+from .trace import capture_backward, fake_inputs, guards_of, tensor_positions
 
 log = logging.getLogger("compiled_autograd")
 
@@ -163,7 +163,48 @@ def _capture_and_compile(cfg: Config, collected, key, mask, reason: str) -> Comp
     )
     log.info("captured %d nodes (%s): trace %.2fs, compile %.2fs", len(names), reason, t1 - t0, t2 - t1)
     if background:
-        _compile_in_background(cfg, key, entry, captured, what, len(_capture_log) - 1)
+        _compile_in_background(cfg, key, entry, captured.example_inputs, what, len(_capture_log) - 1, captured)
+    return entry
+
+
+def _entry_from_disk(cfg: Config, collected, key, record, reason: str) -> CompiledBackward:
+    """A graph this user's compiled_autograd stored in an earlier process:
+    no trace; the compile comes from the backend's own caches."""
+    t0 = time.perf_counter()
+    gm = record["graph"]
+    background = cfg.background_compile and not cfg.fullgraph
+    what = f"compiling a stored backward graph of {len(record['node_names'])} nodes with {cfg.backend_name}"
+    if background:
+        fn = gm
+    else:
+        with compile_status(what):
+            fn = compile_graph(cfg.backend, gm, collected.lifted)
+    entry = CompiledBackward(
+        fn=fn,
+        graph=gm,
+        plan=record["plan"],
+        backend=cfg.backend_name,
+        node_names=record["node_names"],
+        num_inputs=record["num_inputs"],
+        reason=reason + " (graph loaded from the disk cache)",
+        trace_seconds=0.0,
+        compile_seconds=time.perf_counter() - t0,
+        sizes=collected.sizes,
+        nodes=record["nodes"],
+        node_keys=record["node_keys"],
+        compiled=not background,
+    )
+    with LOCK:
+        STATS.disk_hits += 1
+        STATS.compile_seconds += entry.compile_seconds
+    _capture_log.append(
+        dict(reason=entry.reason, nodes=len(entry.node_names), backend=cfg.backend_name, opaque=[o[1:] for o in entry.plan.opaque],
+             trace_seconds=0.0, compile_seconds=entry.compile_seconds, inputs=entry.num_inputs, dynamic=[], guards=None,
+             background=background)
+    )
+    if background:
+        _, _, fakes, _, _, _ = fake_inputs(collected, None)
+        _compile_in_background(cfg, key, entry, fakes, what, len(_capture_log) - 1)
     return entry
 
 
@@ -195,16 +236,16 @@ def _dynamic(captured, sizes) -> Dynamic:
 _pending: set[threading.Thread] = set()
 
 
-def _compile_in_background(cfg: Config, key, entry: CompiledBackward, captured, what: str, log_index: int) -> None:
+def _compile_in_background(cfg: Config, key, entry: CompiledBackward, example, what: str, log_index: int, captured=None) -> None:
+    # `example`: fake tensors only; the thread must not keep the user's tensors alive
     is_dynamic = entry.dynamic is not None
-    # fakes only: the thread must not keep the user's tensors alive
-    example = captured.example_inputs
+    graph = entry.graph
 
     def work():
         t0 = time.perf_counter()
         try:
             with compile_status(what + " (in the background)"):
-                fn = compile_graph(cfg.backend, captured.graph, example, dynamic=is_dynamic)
+                fn = compile_graph(cfg.backend, graph, example, dynamic=is_dynamic)
             dynamic = _dynamic(captured, entry.sizes) if is_dynamic else None
             done = dataclasses.replace(
                 entry, fn=fn, dynamic=dynamic, compiled=True, compile_seconds=time.perf_counter() - t0
@@ -407,17 +448,25 @@ def run_backward(
     try:
         if entry is None:
             mask, reason = _plan_capture(cfg, fam, collected)
-            try:
-                entry = _capture_and_compile(cfg, collected, key, mask, reason)
-            except Exception:
-                if mask is None or cfg.fullgraph:
-                    raise
-                log.info("dynamic capture failed, capturing static shapes", exc_info=True)
-                entry = _capture_and_compile(cfg, collected, key, None, reason + "; dynamic capture failed")
+            pkey = diskcache.portable_key(key) if cfg.disk_cache and mask is None else None
+            record = diskcache.load(pkey) if pkey is not None else None
+            if record is not None:
+                entry = _entry_from_disk(cfg, collected, key, record, reason)
+                pkey = None  # already stored
+            else:
+                try:
+                    entry = _capture_and_compile(cfg, collected, key, mask, reason)
+                except Exception:
+                    if mask is None or cfg.fullgraph:
+                        raise
+                    log.info("dynamic capture failed, capturing static shapes", exc_info=True)
+                    entry = _capture_and_compile(cfg, collected, key, None, reason + "; dynamic capture failed")
             extra = entry.dynamic.extra_args(collected.sizes) if entry.dynamic else []
             results = _replay(entry, capture, lifted, extra)
             CACHE.family(key, create=True).add(entry)  # only graphs that ran
             CACHE.evict(cfg.cache_size_limit)
+            if pkey is not None and entry.dynamic is None:
+                diskcache.store(pkey, entry)
         else:
             with LOCK:
                 STATS.hits += 1

@@ -13,6 +13,7 @@ class Stats:
 
     captures:        graphs traced and compiled (cache misses that compiled)
     dynamic_captures: those of them with symbolic sizes
+    disk_hits:       graphs loaded from the on-disk cache instead of traced
     hits:            backwards served by a cached compiled graph
     eager_fallbacks: backwards that ran in eager autograd instead
     opaque_nodes:    nodes run eagerly inside a compiled graph (per backward run)
@@ -25,6 +26,7 @@ class Stats:
 
     captures: int = 0
     dynamic_captures: int = 0
+    disk_hits: int = 0
     hits: int = 0
     eager_fallbacks: int = 0
     opaque_nodes: int = 0
@@ -39,6 +41,7 @@ class Stats:
         return Stats(
             captures=self.captures,
             dynamic_captures=self.dynamic_captures,
+            disk_hits=self.disk_hits,
             hits=self.hits,
             eager_fallbacks=self.eager_fallbacks,
             opaque_nodes=self.opaque_nodes,
@@ -53,7 +56,7 @@ class Stats:
     def __str__(self) -> str:
         reasons = ", ".join(f"{r}: {n}" for r, n in self.fallback_reasons.most_common())
         return (
-            f"captures={self.captures} (dynamic {self.dynamic_captures}) hits={self.hits} eager_fallbacks={self.eager_fallbacks} "
+            f"captures={self.captures} (dynamic {self.dynamic_captures}) disk_hits={self.disk_hits} hits={self.hits} eager_fallbacks={self.eager_fallbacks} "
             f"opaque_nodes={self.opaque_nodes} trace={self.trace_seconds:.2f}s "
             f"compile={self.compile_seconds:.2f}s" + (f" fallbacks[{reasons}]" if reasons else "")
         )

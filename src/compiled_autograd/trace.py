@@ -378,7 +378,7 @@ def tensor_positions(collected: Collected) -> list[tuple[int, int, bool]]:
     return out
 
 
-def _fake_inputs(collected: Collected, mask):
+def fake_inputs(collected: Collected, mask):
     """Fake versions of the lifted tensors, and SymInts for the size inputs
     marked in `mask`; every other size stays static. A tensor's dims are
     symbolic where the mask says; if its strides or offset are marked, all of
@@ -418,7 +418,7 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None) 
         i: "marked opaque" for i, n in enumerate(collected.capture.nodes()) if n[0] in opaque_names and n[1] != ACCUMULATE_KIND
     }
     for _ in range(MAX_OPAQUE_RETRIES):
-        mode, shape_env, fakes, symints, size_inputs, real_mask = _fake_inputs(collected, mask)
+        mode, shape_env, fakes, symints, size_inputs, real_mask = fake_inputs(collected, mask)
         tracer = _BackwardTracer(collected, opaque_extra, size_inputs)
         out: dict[str, Any] = {}
 

@@ -65,7 +65,7 @@ enum Kind : uint8_t {
 };
 
 struct TypeInfo {
-  uint16_t id;
+  uint64_t id; // FNV-1a of the mangled type name: the same in every process
   Kind kind;
 };
 
@@ -84,7 +84,11 @@ static const TypeInfo& type_info_of(const Node& node) {
   } else if (mangled.find("CppNode") != std::string::npos) {
     kind = OPAQUE; // C++ custom Functions: state not reachable, run as is
   }
-  TypeInfo info{static_cast<uint16_t>(infos.size()), kind};
+  uint64_t id = 1469598103934665603ULL;
+  for (char c : mangled) {
+    id = (id ^ static_cast<uint8_t>(c)) * 1099511628211ULL;
+  }
+  TypeInfo info{id, kind};
   return infos.emplace(std::type_index(typeid(node)), info).first->second;
 }
 

@@ -1,0 +1,89 @@
+"""The on-disk graph cache: a later process loads what an earlier one traced."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+import torch.nn as nn
+
+import compiled_autograd as ca
+from compiled_autograd import diskcache
+from helpers import assert_grads_equal, grads_of
+
+
+def _run(model, x, **options):
+    params = list(model.parameters())
+    for p in params:
+        p.grad = None
+    model(x).pow(2).mean().backward()
+    want = grads_of(params)
+    for p in params:
+        p.grad = None
+    loss = model(x).pow(2).mean()
+    with ca.enable("aot_eager", disk_cache=True, **options):
+        loss.backward()
+    assert_grads_equal(grads_of(params), want)
+
+
+def test_graph_is_loaded_instead_of_traced(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMPILED_AUTOGRAD_GRAPH_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    _run(model, torch.randn(4, 8))
+    assert ca.stats().captures == 1 and len(list(tmp_path.glob("*.graph"))) == 1
+    ca.reset()  # a new process, as far as the in-memory cache knows
+    _run(model, torch.randn(4, 8))
+    s = ca.stats()
+    assert (s.captures, s.disk_hits) == (0, 1)
+    assert "loaded from the disk cache" in ca.explain()
+
+
+def test_tampered_file_is_ignored(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMPILED_AUTOGRAD_GRAPH_DIR", str(tmp_path))
+    model = nn.Linear(3, 3)
+    _run(model, torch.randn(2, 3))
+    (path,) = tmp_path.glob("*.graph")
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    ca.reset()
+    _run(model, torch.randn(2, 3))
+    s = ca.stats()
+    assert (s.captures, s.disk_hits) == (1, 0)  # traced again, not loaded
+
+
+def test_custom_function_graphs_are_not_stored(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMPILED_AUTOGRAD_GRAPH_DIR", str(tmp_path))
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    x = torch.randn(3, requires_grad=True)
+    with ca.enable("eager", disk_cache=True):
+        Double.apply(x).sum().backward()
+    assert not list(tmp_path.glob("*.graph"))
+
+
+def test_second_process_skips_the_trace(tmp_path):
+    script = textwrap.dedent(
+        """
+        import torch, torch.nn as nn, compiled_autograd as ca
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 2))
+        with ca.enable("aot_eager"):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+        s = ca.stats()
+        print(s.captures, s.disk_hits)
+        """
+    )
+    env = dict(os.environ, COMPILED_AUTOGRAD_GRAPH_DIR=str(tmp_path), COMPILED_AUTOGRAD_DISK_CACHE="1")
+    out = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout.split()[-2:] for _ in range(2)]
+    assert out == [["1", "0"], ["0", "1"]]
