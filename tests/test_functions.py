@@ -310,3 +310,24 @@ def test_functions_under_aot_eager_and_hooks_together():
         return (y.sin() + DataDependent.apply(y)).sum(), [x, w]
 
     observe(build, backend="aot_eager", n_opaque=1)
+
+
+class SavesNone(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias):
+        ctx.save_for_backward(x, None, bias)
+        return x * 3 if bias is None else x * 3 + bias
+
+    @staticmethod
+    def backward(ctx, g):
+        x, nothing, bias = ctx.saved_tensors
+        assert nothing is None
+        return g * 3, (g if bias is not None else None)
+
+
+def test_function_saving_none_is_traced():
+    def build(log, step):
+        x = leaf(3)
+        return SavesNone.apply(x, None).pow(2).sum(), [x]
+
+    observe(build)

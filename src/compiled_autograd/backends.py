@@ -11,19 +11,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
+import threading
 from typing import Callable, Sequence
 
 import torch
 
 from .config import BackendLike
 
+_lock = threading.RLock()
+
 
 def compile_graph(
     backend: BackendLike, gm: torch.fx.GraphModule, example_inputs: Sequence, dynamic: bool = False
 ) -> Callable:
     # Compile as an inference graph: the backward graph is never differentiated
-    # again (create_graph=True runs eagerly).
-    with torch.no_grad():
+    # again (create_graph=True runs eagerly). One compile at a time: inductor
+    # is not thread-safe, and background compiles run in threads.
+    with _lock, torch.no_grad():
         if backend == "eager":
             return gm
         if backend == "aot_eager":

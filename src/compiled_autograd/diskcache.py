@@ -74,8 +74,9 @@ def _version() -> bytes:
     return h.digest()
 
 
-def portable_key(key) -> bytes | None:
-    """A byte string naming `key` across processes, or None if it cannot."""
+def portable_key(key, sizes) -> bytes | None:
+    """A byte string naming a static graph -- its key and its sizes -- across
+    processes, or None if it cannot."""
     backend, global_state, opaque, collected_key = key
     if not isinstance(backend, str):
         return None
@@ -86,6 +87,7 @@ def portable_key(key) -> bytes | None:
     h.update(_version())
     h.update(repr((backend, tuple(str(s) for s in global_state), opaque, python_parts)).encode())
     h.update(native_key)
+    h.update(repr(tuple(sizes)).encode())
     return h.digest()
 
 

@@ -31,7 +31,7 @@ from . import ops
 from .collect import collect
 from .logs import compile_status
 from .graph_task import in_graph_task
-from .trace import capture_backward, fake_inputs, guards_of, tensor_positions
+from .trace import capture_backward, guards_of, tensor_positions
 
 log = logging.getLogger("compiled_autograd")
 
@@ -90,7 +90,9 @@ def _precheck(roots, grads, create_graph, inputs, accumulate_grad) -> tuple[str 
             return "backward(inputs=...) with a non-leaf input", False
     if create_graph:
         return "create_graph=True", False
-    if torch.is_anomaly_enabled():
+    if torch.is_anomaly_enabled() and (torch.is_anomaly_check_nan_enabled() or not STATS.compiles_pending):
+        # (aot autograd turns anomaly mode on, without NaN checks, while it
+        # compiles; that global flag is not the user's while ours compile)
         return "anomaly mode", False
     if torch._C._are_functorch_transforms_active():
         return "functorch transform active", False
@@ -163,7 +165,8 @@ def _capture_and_compile(cfg: Config, collected, key, mask, reason: str) -> Comp
     )
     log.info("captured %d nodes (%s): trace %.2fs, compile %.2fs", len(names), reason, t1 - t0, t2 - t1)
     if background:
-        _compile_in_background(cfg, key, entry, captured.example_inputs, what, len(_capture_log) - 1, captured)
+        example = captured.example_inputs if is_dynamic else _static_fakes(collected.lifted)
+        _compile_in_background(cfg, key, entry, example, what, len(_capture_log) - 1, captured)
     return entry
 
 
@@ -203,9 +206,18 @@ def _entry_from_disk(cfg: Config, collected, key, record, reason: str) -> Compil
              background=background)
     )
     if background:
-        _, _, fakes, _, _, _ = fake_inputs(collected, None)
-        _compile_in_background(cfg, key, entry, fakes, what, len(_capture_log) - 1)
+        _compile_in_background(cfg, key, entry, _static_fakes(collected.lifted), what, len(_capture_log) - 1)
     return entry
+
+
+def _static_fakes(tensors):
+    """Fake copies for a static graph's background compile: no ShapeEnv (with
+    one, aot's scalar-tensorify pass wants to restart a dynamo analysis), and
+    no reference to the user's tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    return [mode.from_tensor(t) for t in tensors]
 
 
 def _example_inputs(captured, collected):
@@ -448,7 +460,7 @@ def run_backward(
     try:
         if entry is None:
             mask, reason = _plan_capture(cfg, fam, collected)
-            pkey = diskcache.portable_key(key) if cfg.disk_cache and mask is None else None
+            pkey = diskcache.portable_key(key, collected.sizes) if cfg.disk_cache and mask is None else None
             record = diskcache.load(pkey) if pkey is not None else None
             if record is not None:
                 entry = _entry_from_disk(cfg, collected, key, record, reason)

@@ -301,7 +301,7 @@ class _BackwardTracer:
         try:
             from . import native
 
-            capture_swap = native.load().PyNodeSavedSwap(node, [args[i] for i in info.saved if i >= 0])
+            capture_swap = native.load().PyNodeSavedSwap(node, [args[i] if i >= 0 else None for i in info.saved])
             for name, value in info.attrs:
                 originals[name] = value
                 setattr(node, name, _rebuild(value, self.c, args))

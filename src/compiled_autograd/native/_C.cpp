@@ -1004,7 +1004,8 @@ class GraphCapture {
 // backward (its ctx.saved_tensors then returns the proxies), and restore them.
 class PyNodeSavedSwap {
  public:
-  PyNodeSavedSwap(py::object node, const std::vector<at::Tensor>& proxies) : node_(std::move(node)) {
+  PyNodeSavedSwap(py::object node, const std::vector<std::optional<at::Tensor>>& proxies)
+      : node_(std::move(node)) {
     TORCH_CHECK(THPFunction_Check(node_.ptr()), "not a custom Function node");
     auto* f = reinterpret_cast<THPFunction*>(node_.ptr());
     TORCH_CHECK(proxies.size() == f->saved_variables.size(), "saved tensor count mismatch");
@@ -1012,7 +1013,11 @@ class PyNodeSavedSwap {
     f->saved_variables.clear();
     bool prior = at::SavedTensorDefaultHooks::set_tracing(true);
     for (auto& p : proxies) {
-      f->saved_variables.emplace_back(p, false);
+      if (p.has_value()) {
+        f->saved_variables.emplace_back(*p, false);
+      } else {
+        f->saved_variables.emplace_back(); // a None saved with save_for_backward
+      }
     }
     at::SavedTensorDefaultHooks::set_tracing(prior);
   }
@@ -1077,6 +1082,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("release", &GraphCapture::release)
       .def("clear", &GraphCapture::clear);
   py::class_<PyNodeSavedSwap>(m, "PyNodeSavedSwap")
-      .def(py::init<py::object, const std::vector<at::Tensor>&>())
+      .def(py::init<py::object, const std::vector<std::optional<at::Tensor>>&>())
       .def("restore", &PyNodeSavedSwap::restore);
 }

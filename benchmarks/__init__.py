@@ -1,0 +1,1 @@
+"""The backward-pass benchmark (see run.py and docs/bench/)."""

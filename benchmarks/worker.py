@@ -1,0 +1,488 @@
+"""One (workload, mode) measurement, run in a fresh subprocess by benchmarks/run.py.
+
+    python -m benchmarks.worker --workload mlp256 --mode ours:inductor --result out.json
+
+Modes:
+  eager                plain eager autograd
+  torch-ca:BACKEND     torch's built-in compiled autograd:
+                       `with torch._dynamo.compiled_autograd._enable(torch.compile(backend=BACKEND))`
+  ours:BACKEND         `with compiled_autograd.enable(backend=BACKEND)`
+
+What is measured (all in this one process, `torch.set_num_threads(2)`):
+  1. one eager backward on the workload's inputs: the reference gradients;
+  2. the first backward under the mode (capture + compile for the compiled modes);
+  3. `--warmup` backwards under the mode, then `--iters` pairs of backwards, one eager and one
+     under the mode, interleaved (alternating which goes first), only `.backward()` timed with
+     `time.perf_counter` (the forward runs outside the timed region). The ratio mode/eager of
+     the medians comes from the same process, so load from other processes on the machine
+     affects both about equally;
+  4. the largest |grad - eager grad| over every parameter, after the first and the last backward;
+  5. the floor: self CPU time of the matmul/conv/attention kernels in an eager backward
+     (torch.profiler, the fastest of 5);
+  6. for the compiled modes, the time spent inside the compiled graph during each timed backward
+     (the callable the backend returned, wrapped with a timer), so that
+     overhead = backward time - graph time (the per-backward cost of the library around the graph).
+The result is written (also partially, after each phase) as JSON to --result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import re
+import resource
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks.workloads import Stream, build, count_nodes  # noqa: E402
+
+pc = time.perf_counter
+
+# Self CPU time of these ops in an eager backward is "the floor": the matmul/conv kernels alone.
+FLOOR_OPS = re.compile(
+    r"^aten::("
+    r"mm|addmm|bmm|baddbmm|addbmm|_addmm_activation|linear_backward|"
+    r"convolution_backward|mkldnn_convolution(_backward)?.*|_slow_conv2d_backward|"
+    r"thnn_conv2d_backward|_convolution_double_backward|"
+    r"_scaled_dot_product_[a-z_]*backward[a-z_]*|_flash_attention_backward|_efficient_attention_backward"
+    r")$"
+)
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+class Mode:
+    """How a backward runs: a context manager around `.backward()` plus counters."""
+
+    def __init__(self, spec: str, graph_timing: bool = True):
+        self.spec = spec
+        self.kind, _, rest = spec.partition(":")
+        self.backend, _, self.option = rest.partition(":")
+        self.graph_times: list[float] = []
+        self.graph_timing = graph_timing and self.kind != "eager"
+        if self.kind == "eager":
+            self.ctx = contextlib.nullcontext
+        elif self.kind == "ours":
+            self._setup_ours()
+        elif self.kind == "torch-ca":
+            self._setup_torch_ca()
+        else:
+            raise ValueError(f"unknown mode {spec!r}")
+
+    def _timed(self, fn):
+        times = self.graph_times
+
+        def timed(*args, **kwargs):
+            t0 = pc()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times.append(pc() - t0)
+
+        return timed
+
+    def _setup_ours(self):
+        import compiled_autograd as ca
+
+        ca.reset()
+        self.ca = ca
+        # Load the C++ helper now (cpp_extension.load: a file lock + a ninja up-to-date check,
+        # or a ~30 s build if the source changed) so that it is not counted in the first
+        # backward; its time is reported on its own as native_load_s.
+        self.native_load_s = None
+        try:
+            from compiled_autograd import native
+
+            t0 = pc()
+            native.load()
+            self.native_load_s = pc() - t0
+        except (ImportError, AttributeError):
+            pass
+        if self.graph_timing:
+            # Wrap whatever the backend returns with a timer (runtime.compile_graph is the one
+            # place the library turns a captured graph into a callable).
+            try:
+                from compiled_autograd import runtime
+
+                original = runtime.compile_graph
+
+                def compile_graph(*args, **kwargs):
+                    return self._timed(original(*args, **kwargs))
+
+                runtime.compile_graph = compile_graph
+            except (ImportError, AttributeError):
+                self.graph_timing = False
+        backend = self.backend
+        kwargs = {}
+        if self.option == "sync":  # compile in the foreground (no background compile)
+            kwargs["background"] = False
+        elif self.option:
+            raise ValueError(f"unknown option {self.option!r} in mode {self.spec!r}")
+        self.ctx = lambda: ca.enable(backend=backend, **kwargs)
+
+    def synchronize(self) -> float:
+        """Wait for our background compiles (if any); the seconds waited."""
+        if self.kind != "ours" or not hasattr(getattr(self, "ca", None), "synchronize"):
+            return 0.0
+        t0 = pc()
+        self.ca.synchronize()
+        return pc() - t0
+
+    def _setup_torch_ca(self):
+        import torch._dynamo
+        from torch._dynamo import compiled_autograd as tca
+
+        torch._dynamo.reset()
+        base = torch.compile(backend=self.backend)
+        if self.graph_timing:
+            # torch.compile(gm) is lazy: dynamo/the backend compile on its first call, which
+            # happens inside the first backward (and inside this timer).
+            def compiler_fn(gm):
+                return self._timed(base(gm))
+        else:
+            compiler_fn = base
+        self.ctx = lambda: tca._enable(compiler_fn)
+
+    def stats(self) -> dict:
+        if self.kind == "ours":
+            s = self.ca.stats()
+            out = {}
+            for k in ("captures", "dynamic_captures", "hits", "eager_fallbacks", "opaque_nodes",
+                      "trace_seconds", "compile_seconds", "compiles_pending", "compile_failures", "disk_hits"):
+                if hasattr(s, k):
+                    out[k] = getattr(s, k)
+            for k in ("fallback_reasons", "opaque_reasons"):
+                if getattr(s, k, None):
+                    out[k] = {str(r): n for r, n in getattr(s, k).items()}
+            out["compiles"] = out.get("captures", 0)
+            if out.get("disk_hits"):  # a graph loaded from the on-disk cache is still compiled
+                out["compiles"] += out["disk_hits"]
+            return out
+        if self.kind == "torch-ca":
+            from torch._dynamo.utils import counters
+
+            out = {f"ca_{k}": v for k, v in counters["compiled_autograd"].items()}
+            out["dynamo_unique_graphs"] = counters["stats"].get("unique_graphs", 0)
+            out["dynamo_calls_to_compile"] = counters["stats"].get("calls_captured", 0)
+            gb = counters.get("graph_break") or {}
+            if gb:
+                out["graph_breaks"] = {str(k)[:200]: v for k, v in gb.items()}
+            out["compiles"] = counters["compiled_autograd"].get("captures", 0)
+            return out
+        return {"compiles": 0}
+
+
+def zero(params):
+    for p in params:
+        p.grad = None
+
+
+def grads(params):
+    return [None if p.grad is None else p.grad.detach().clone() for p in params]
+
+
+def max_diff(ref, params) -> float:
+    worst = 0.0
+    for r, p in zip(ref, params):
+        g = p.grad
+        if (r is None) != (g is None):
+            return float("inf")
+        if r is None:
+            continue
+        if r.shape != g.shape:
+            return float("inf")
+        worst = max(worst, (r - g).abs().max().item())
+    return worst
+
+
+def floor_of(loss_fn, params, runs: int = 5) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    best = None
+    for _ in range(runs):
+        zero(params)
+        loss = loss_fn()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            loss.backward()
+        ops = {}
+        total = 0.0
+        for evt in prof.key_averages():
+            total += evt.self_cpu_time_total
+            if FLOOR_OPS.match(evt.key):
+                ops[evt.key] = ops.get(evt.key, 0.0) + evt.self_cpu_time_total
+        floor = sum(ops.values())
+        if best is None or floor < best["floor_s"] * 1e6:
+            best = {"floor_s": floor / 1e6, "floor_ops_us": ops, "profiled_self_cpu_total_s": total / 1e6}
+    return best
+
+
+def run_fixed(wl, mode: Mode, args, res: dict, save):
+    params = wl.params
+    res["description"] = wl.description
+    res["num_params"] = sum(p.numel() for p in params)
+
+    # 1. eager reference
+    zero(params)
+    loss = wl.loss()
+    res["nodes"] = count_nodes(loss)
+    t0 = pc()
+    loss.backward()
+    res["eager_reference_backward_s"] = pc() - t0
+    ref = grads(params)
+    save()
+
+    # 2. first backward under the mode
+    zero(params)
+    loss = wl.loss()
+    gc.collect()
+    mode.graph_times.clear()
+    t0 = pc()
+    with mode.ctx():
+        loss.backward()
+    res["first_backward_s"] = pc() - t0
+    res["first_graph_s"] = sum(mode.graph_times) if mode.graph_times else None
+    # ours + inductor compiles in a background thread by default (the first backwards replay the
+    # traced graph meanwhile): wait for it, so that the steady state is the compiled graph's
+    res["background_compile_wait_s"] = mode.synchronize()
+    res["time_to_compiled_s"] = res["first_backward_s"] + res["background_compile_wait_s"]
+    res["max_grad_diff_first"] = max_diff(ref, params)
+    res["peak_rss_after_first_mb"] = rss_mb()
+    res["stats_after_first"] = mode.stats()
+    save()
+
+    # 3. warm-up, then interleaved eager / mode pairs
+    for _ in range(args.warmup):
+        zero(params)
+        loss = wl.loss()
+        with mode.ctx():
+            loss.backward()
+    eager_t, mode_t, graph_t = [], [], []
+
+    def one(ctx, out, graph=None):
+        zero(params)
+        loss = wl.loss()
+        mode.graph_times.clear()
+        t0 = pc()
+        with ctx():
+            loss.backward()
+        out.append(pc() - t0)
+        if graph is not None:
+            graph.append(sum(mode.graph_times) if mode.graph_times else None)
+
+    gc.collect()
+    # at least --iters pairs, and more for fast backwards: until pairs x the median mode backward
+    # reaches --min-time seconds (at most 25 x --iters pairs; the median, so that a few slow
+    # outliers caused by other load do not end the loop early)
+    i = 0
+    while i < args.iters or (len(mode_t) * median(mode_t) < args.min_time and i < 25 * args.iters):
+        i += 1
+        if i % 2 == 0:
+            one(contextlib.nullcontext, eager_t)
+            one(mode.ctx, mode_t, graph_t)
+        else:
+            one(mode.ctx, mode_t, graph_t)
+            one(contextlib.nullcontext, eager_t)
+    res["max_grad_diff_last"] = max_diff(ref, params)
+    res["max_grad_diff"] = max(res["max_grad_diff_first"], res["max_grad_diff_last"])
+    res["eager_backward_times_s"] = eager_t
+    res["backward_times_s"] = mode_t
+    res["timed_pairs"] = len(mode_t)
+    res["steady_median_s"] = median(mode_t)
+    res["eager_steady_median_s"] = median(eager_t)
+    res["steady_min_s"] = min(mode_t) if mode_t else None
+    res["eager_steady_min_s"] = min(eager_t) if eager_t else None
+    if res["steady_median_s"] and res["eager_steady_median_s"]:
+        res["vs_eager"] = res["steady_median_s"] / res["eager_steady_median_s"]
+        res["vs_eager_min"] = res["steady_min_s"] / res["eager_steady_min_s"]
+    nodes = res["nodes"]
+    res["per_node_us"] = res["steady_median_s"] / nodes * 1e6 if mode_t else None
+    res["eager_per_node_us"] = res["eager_steady_median_s"] / nodes * 1e6 if eager_t else None
+    if mode.graph_timing and graph_t and all(g is not None for g in graph_t):
+        res["graph_median_s"] = median(graph_t)
+        over = [m - g for m, g in zip(mode_t, graph_t)]
+        res["overhead_median_s"] = median(over)
+        res["overhead_per_node_us"] = res["overhead_median_s"] / nodes * 1e6
+    elif mode.graph_timing and mode_t:
+        res["graph_timing_note"] = "some timed backwards did not call a compiled graph (eager fallback?)"
+    res["stats"] = mode.stats()
+    res["peak_rss_mb"] = rss_mb()
+    save()
+
+    # 5. the floor (eager backward, profiled)
+    if not args.no_profile:
+        res.update(floor_of(wl.loss, params))
+        if res.get("floor_s"):
+            res["vs_floor"] = res["steady_median_s"] / res["floor_s"]
+            res["eager_vs_floor"] = res["eager_steady_median_s"] / res["floor_s"]
+    save()
+
+
+def run_stream(st: Stream, mode: Mode, args, res: dict, save):
+    """The whole stream, in order. Two totals per pass: the sum of the `.backward()` times, and the
+    wall time of the whole loop (forward + backward + copying the grads), plus, for ours, waiting
+    for background compiles at the end: with a background compile part of the compile work
+    overlaps the forwards, so only the loop's wall time counts all of it."""
+    params = st.params
+    res["description"] = st.description
+    res["num_params"] = sum(p.numel() for p in params)
+    res["batches"] = len(st.batches)
+
+    def one_pass(ctx, after_each=None):
+        times, got = [], []
+        gc.collect()
+        t_loop = pc()
+        for i, (x, _) in enumerate(st.batches):
+            zero(params)
+            loss = st.loss_of(x)
+            t0 = pc()
+            with ctx():
+                loss.backward()
+            times.append(pc() - t0)
+            got.append(grads(params))
+            if after_each is not None:
+                after_each(i, times[-1])
+        wait = mode.synchronize() if ctx is not contextlib.nullcontext else 0.0
+        return times, got, pc() - t_loop, wait
+
+    # eager: a first pass warms eager up and gives the reference gradients; a second pass gives the
+    # same-process eager totals (so every mode's pass, like the second eager one, runs warm)
+    _, ref, first_eager_wall, _ = one_pass(contextlib.nullcontext)
+    res["eager_first_pass_loop_wall_s"] = first_eager_wall
+    eager_t, _, eager_wall, _ = one_pass(contextlib.nullcontext)
+    zero(params)
+    res["nodes"] = count_nodes(st.loss_of(st.batches[0][0]))
+    res["eager_total_s"] = sum(eager_t)
+    res["eager_loop_wall_s"] = eager_wall
+    save()
+
+    compiled_at = []
+    state = {"before": mode.stats().get("compiles", 0)}
+
+    def after_each(i, t):
+        after = mode.stats().get("compiles", 0)
+        if after != state["before"]:
+            compiled_at.append({"step": i, "shape": list(st.batches[i][1]), "new_compiles": after - state["before"],
+                                "time_s": t})
+        state["before"] = after
+        if i == 0:
+            res["peak_rss_after_first_mb"] = rss_mb()
+
+    times, got, wall, wait = one_pass(mode.ctx, after_each)
+    diffs = []
+    for r, g in zip(ref, got):
+        worst = 0.0
+        for a, b in zip(r, g):
+            if (a is None) != (b is None) or (a is not None and a.shape != b.shape):
+                worst = float("inf")
+                break
+            if a is not None:
+                worst = max(worst, (a - b).abs().max().item())
+        diffs.append(worst)
+    res["first_backward_s"] = times[0]
+    res["total_s"] = sum(times)
+    res["loop_wall_s"] = wall
+    res["background_compile_wait_s"] = wait
+    res["vs_eager"] = res["loop_wall_s"] / res["eager_loop_wall_s"]
+    res["vs_eager_backward_sum"] = res["total_s"] / res["eager_total_s"]
+    res["backward_times_s"] = times
+    res["eager_backward_times_s"] = eager_t
+    res["shapes"] = [list(s) for _, s in st.batches]
+    res["distinct_shapes"] = len({tuple(s) for _, s in st.batches})
+    res["compiled_at"] = compiled_at
+    compiling_steps = {c["step"] for c in compiled_at}
+    rest = [t for i, t in enumerate(times) if i not in compiling_steps]
+    rest_eager = [t for i, t in enumerate(eager_t) if i not in compiling_steps]
+    res["non_compiling_steps"] = len(rest)
+    res["non_compiling_total_s"] = sum(rest)
+    res["non_compiling_eager_total_s"] = sum(rest_eager)
+    res["last10_total_s"] = sum(times[-10:])
+    res["last10_eager_total_s"] = sum(eager_t[-10:])
+    res["max_grad_diff"] = max(diffs)
+    res["max_grad_diff_per_step"] = diffs
+    res["stats"] = mode.stats()
+    res["peak_rss_mb"] = rss_mb()
+    save()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", required=True)
+    ap.add_argument("--mode", required=True)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--min-time", type=float, default=2.0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--no-graph-timing", action="store_true")
+    ap.add_argument("--result", required=True)
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    res = {
+        "workload": args.workload,
+        "mode": args.mode,
+        "status": "running",
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "threads": torch.get_num_threads(),
+        "quick": args.quick,
+        "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+        "graph_cache_dir": os.environ.get("COMPILED_AUTOGRAD_GRAPH_DIR"),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "loadavg_start": os.getloadavg(),
+        "pid": os.getpid(),
+    }
+    out = Path(args.result)
+
+    def save():
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(res, indent=1, default=str))
+        tmp.replace(out)
+
+    t_start = pc()
+    try:
+        mode = Mode(args.mode, graph_timing=not args.no_graph_timing)
+        wl = build(args.workload, args.quick)
+        res["setup_s"] = pc() - t_start
+        res["native_load_s"] = getattr(mode, "native_load_s", None)
+        if isinstance(wl, Stream):
+            run_stream(wl, mode, args, res, save)
+        else:
+            run_fixed(wl, mode, args, res, save)
+        res["status"] = "ok"
+    except BaseException as e:  # noqa: BLE001 - report every failure as a row
+        res["status"] = "error"
+        res["error"] = f"{type(e).__name__}: {e}"[:2000]
+        res["traceback"] = traceback.format_exc()[-6000:]
+        try:
+            res["stats"] = mode.stats()  # noqa: F821
+        except Exception:
+            pass
+    res["process_s"] = pc() - t_start
+    res["loadavg_end"] = os.getloadavg()
+    res["peak_rss_mb"] = rss_mb()
+    save()
+    return 0 if res["status"] == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""The benchmark workloads: a model, its inputs and a closure that runs the forward.
+
+Every workload is built from a fixed seed, so every subprocess (one per mode)
+sees the same weights and inputs. `Workload.loss()` runs the forward and returns
+a scalar loss whose `.backward()` is what gets timed; `Stream` is the
+shape-varying case (a list of batches of different sizes through one model).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+
+@dataclass
+class Workload:
+    name: str
+    description: str
+    params: list  # the leaves whose .grad is compared with eager
+    loss: Callable[[], torch.Tensor]  # forward -> scalar loss
+    modules: list = field(default_factory=list)
+
+
+@dataclass
+class Stream:
+    name: str
+    description: str
+    params: list
+    batches: list  # [(input tensor, (batch, seq))]
+    loss_of: Callable[[torch.Tensor], torch.Tensor]
+    modules: list = field(default_factory=list)
+
+
+def _mlp(d: int, quick: bool) -> Workload:
+    layers, batch = (8, 64) if not quick else (3, 8)
+    if quick:
+        d = max(16, d // 16)
+    net = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(d, d), nn.GELU(), nn.LayerNorm(d))])
+    x = torch.randn(batch, d)
+    return Workload(
+        name=f"mlp{d}",
+        description=f"{layers} x (Linear({d},{d}) + GELU + LayerNorm), batch {batch}, loss = mean(out^2)",
+        params=list(net.parameters()),
+        loss=lambda: net(x).pow(2).mean(),
+        modules=[net],
+    )
+
+
+def _transformer(quick: bool) -> Workload:
+    if quick:
+        layers, d, heads, ff, batch, seq = 1, 32, 2, 64, 2, 8
+    else:
+        layers, d, heads, ff, batch, seq = 4, 256, 4, 1024, 16, 128
+    enc = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, batch_first=True),
+        layers,
+        enable_nested_tensor=False,
+    )
+    enc.train()
+    x = torch.randn(batch, seq, d)
+    return Workload(
+        name="transformer",
+        description=(
+            f"nn.TransformerEncoder: {layers} layers, d_model {d}, {heads} heads, ff {ff}, dropout 0, "
+            f"batch_first, batch {batch}, seq {seq}, train mode, loss = mean(out^2)"
+        ),
+        params=list(enc.parameters()),
+        loss=lambda: enc(x).pow(2).mean(),
+        modules=[enc],
+    )
+
+
+def _cnn(quick: bool) -> Workload:
+    blocks, ch = (4, 32) if not quick else (2, 8)
+    shape = (16, 3, 64, 64) if not quick else (2, 3, 16, 16)
+    mods = []
+    for i in range(blocks):
+        mods += [nn.Conv2d(3 if i == 0 else ch, ch, 3, padding=1), nn.BatchNorm2d(ch), nn.ReLU()]
+    net = nn.Sequential(*mods)
+    net.train()
+    x = torch.randn(*shape)
+    return Workload(
+        name="cnn",
+        description=(
+            f"{blocks} x (Conv2d 3x3 ({ch} channels, padding 1) + BatchNorm2d + ReLU), input "
+            f"{'x'.join(map(str, shape))}, train mode, loss = mean(out^2)"
+        ),
+        params=list(net.parameters()),
+        loss=lambda: net(x).pow(2).mean(),
+        modules=[net],
+    )
+
+
+def _chain(quick: bool) -> Workload:
+    nodes = 2000 if not quick else 200
+    ops = nodes - 2  # + SumBackward0 + AccumulateGrad = `nodes` autograd nodes
+    torch.manual_seed(1)
+    x = (torch.rand(16) * 0.5 + 0.5).requires_grad_()
+
+    def loss():
+        y = x
+        for i in range(ops):
+            r = i % 3
+            if r == 0:
+                y = y * 1.0001
+            elif r == 1:
+                y = y + 0.0001
+            else:
+                y = torch.sin(y)
+        return y.sum()
+
+    return Workload(
+        name="chain",
+        description=(
+            f"a chain of {ops} elementwise ops on a 16-element tensor (x*1.0001, +0.0001, sin, repeated), "
+            f"then sum: {nodes} autograd nodes, pure per-node overhead"
+        ),
+        params=[x],
+        loss=loss,
+    )
+
+
+def _stream(quick: bool) -> Stream:
+    n, layers, d, heads, ff = (50, 2, 64, 4, 256) if not quick else (6, 1, 32, 2, 64)
+    bmax, smax = (32, 128) if not quick else (6, 16)
+    enc = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, batch_first=True),
+        layers,
+        enable_nested_tensor=False,
+    )
+    head = nn.Linear(d, d)
+    enc.train()
+    rng = random.Random(0)
+    # Every batch size 2..bmax and sequence length 8..smax (step 8) is equally likely;
+    # a fixed list of 50 (batch, seq) pairs in shuffled order.
+    shapes = [(rng.randint(2, bmax), rng.randrange(8, smax + 1, 8)) for _ in range(n)]
+    rng.shuffle(shapes)
+    gen = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(b, s, d, generator=gen), (b, s)) for b, s in shapes]
+    return Stream(
+        name="stream",
+        description=(
+            f"{n} batches through a TransformerEncoder ({layers} layers, d_model {d}, {heads} heads, ff {ff}, "
+            f"dropout 0) + Linear, batch size uniform in 2..{bmax}, sequence length uniform in 8..{smax} "
+            f"(step 8), shuffled; {len(set(shapes))} distinct shapes"
+        ),
+        params=list(enc.parameters()) + list(head.parameters()),
+        batches=batches,
+        loss_of=lambda x: head(enc(x)).pow(2).mean(),
+        modules=[enc, head],
+    )
+
+
+WORKLOADS = ["mlp256", "mlp1024", "transformer", "cnn", "chain", "stream"]
+
+
+def build(name: str, quick: bool = False):
+    wl = _build(name, quick)
+    wl.name = name
+    return wl
+
+
+def _build(name: str, quick: bool):
+    torch.manual_seed(0)
+    if name == "mlp256":
+        return _mlp(256, quick)
+    if name == "mlp1024":
+        return _mlp(1024, quick)
+    if name == "transformer":
+        return _transformer(quick)
+    if name == "cnn":
+        return _cnn(quick)
+    if name == "chain":
+        return _chain(quick)
+    if name == "stream":
+        return _stream(quick)
+    raise ValueError(f"unknown workload {name!r} (known: {', '.join(WORKLOADS)})")
+
+
+def count_nodes(loss: torch.Tensor) -> int:
+    """Autograd nodes reachable from the loss (AccumulateGrad included)."""
+    seen = set()
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        stack.extend(f for f, _ in fn.next_functions)
+    return len(seen)
