@@ -65,6 +65,9 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=64)
     args = p.parse_args(argv)
 
+    from . import native
+
+    native.load()  # build (first use) or load the C++ helper before timing anything
     torch.manual_seed(0)
     vocab = 256
     model = TinyLM(vocab=vocab, seq=args.seq)

@@ -251,8 +251,6 @@ struct NodeRecord {
   std::string opaque_reason;
   size_t size_start = 0; // first of its SymInts in the size inputs
   size_t edge_size_start = 0; // first of its edges' metadata sizes
-  // (index in order, input_nr); index -1: not run in this backward; -2: invalid edge
-  std::vector<std::pair<int64_t, uint32_t>> edges;
   std::vector<std::pair<uint32_t, size_t>> captures; // (input_nr, result index)
   uint16_t n_tensor_pre = 0, n_retains = 0, n_pre = 0, n_post = 0;
   bool post_acc = false;
@@ -336,9 +334,8 @@ class GraphCapture {
       py::list edge_sizes;
       size_t pos = r.edge_size_start;
       const auto& next = r.fn->next_edges();
-      for (size_t k = 0; k < r.edges.size(); ++k) {
-        auto [i, nr] = r.edges[k];
-        edges.append(py::make_tuple(i, nr));
+      for (size_t k = 0; r.execute && k < next.size(); ++k) {
+        edges.append(py::make_tuple(edge_index(next[k]), next[k].input_nr));
         if (next[k].is_valid()) {
           edge_sizes.append(static_cast<int64_t>(pos));
           pos += next[k].function->input_metadata(next[k].input_nr).shape_as_dim_vector().size();
@@ -379,6 +376,16 @@ class GraphCapture {
       }
     }
     return out;
+  }
+
+  // position of an edge's node in execution order; -1: not run in this
+  // backward; -2: invalid edge
+  int64_t edge_index(const Edge& e) const {
+    if (!e.is_valid()) {
+      return -2;
+    }
+    auto it = info_.find(e.function.get());
+    return it == info_.end() ? -1 : it->second.index;
   }
 
   py::object node_object(size_t idx) const {
@@ -839,13 +846,6 @@ class GraphCapture {
     for (auto& r : nodes_) {
       calls.push_back(&call_.node_calls.lookup(r.fn)); // node ids = execution order
     }
-    auto edge_index = [&](const Edge& e) -> int64_t {
-      if (!e.is_valid()) {
-        return -2;
-      }
-      auto it = info_.find(e.function.get());
-      return it == info_.end() ? -1 : it->second.index;
-    };
     for (auto& e : root_edges_) {
       append_pod(key_, edge_index(e));
       append_pod(key_, e.input_nr);
@@ -876,9 +876,6 @@ class GraphCapture {
       append_pod(key_, static_cast<uint8_t>(r.execute));
       if (!r.execute) {
         continue;
-      }
-      for (const auto& next : fn->next_edges()) {
-        r.edges.emplace_back(edge_index(next), next.input_nr);
       }
       r.n_tensor_pre = fn->tensor_pre_hooks().size();
       r.n_retains = fn->retains_grad_hooks().size();

@@ -49,7 +49,15 @@ def load():
     build_dir = cache_root() / "native" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     built = any(build_dir.glob(name + "*.so"))
-    if not built:
+    if built:
+        # already built for this source and torch: import it directly (no
+        # ninja run, no build lock shared with other processes)
+        try:
+            _module = cpp_extension._import_module_from_library(name, str(build_dir), True)
+            return _module
+        except Exception:  # pragma: no cover - fall back to a (re)build
+            log.debug("could not import the built helper, rebuilding", exc_info=True)
+    else:
         print(
             f"compiled_autograd: building the native helper once (~20 s) in {build_dir}",
             file=sys.stderr,
