@@ -1,12 +1,12 @@
 """Conformance with eager autograd over torch's OpInfo / ModuleInfo tables (CI-sized).
 
-The full run is `python -m compiled_autograd.conformance` (docs/conformance.md). Here: every
+The full run is `python -m compiled_autograd.conformance` (docs/conformance/). Here: every
 autograd op and every module of the tables, float32, the first two sample inputs, with the
 `eager` backend; a deterministic sample of ~20 ops with `aot_eager`; and every 4th op through
 the on-disk graph cache (about 1.5 min in all on 2 idle cores, 2.5 min on busy ones). Any
 `wrong` (gradient differs from eager) or `error` (compiled_autograd raised where eager did
 not) case fails the test, listing them; fallbacks, opaque nodes and recaptures are allowed
-(they are reported in docs/conformance.md, not bugs). Select these with `-k conformance`.
+(they are reported in docs/conformance/, not bugs). Select these with `-k conformance`.
 """
 
 import logging
@@ -74,3 +74,12 @@ def test_conformance_report_renders():
     assert "## Totals" in md and js["totals"]["ops"]["cases"] > 0 and js["totals"]["modules"]["cases"] > 0
     statuses = {c["status"] for c in js["cases"]}
     assert statuses <= set(conf.STATUSES), statuses
+
+
+def test_conformance_report_round_trips(tmp_path):
+    # write() stores gzipped JSON; --render rebuilds the same Markdown from it
+    report = _run(backend="eager", ops=True, modules=False, op_names=["mul"])
+    jpath, mpath = conf.write(report, str(tmp_path), "r")
+    assert jpath.endswith(".json.gz")
+    assert conf.main(["--render", jpath, "--out", str(tmp_path / "again"), "--stem", "r"]) == 0
+    assert (tmp_path / "again" / "r.md").read_text() == open(mpath).read()

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import gzip
 import json
 import os
 import re
@@ -1108,11 +1109,11 @@ def to_markdown(report: Report) -> str:
 def write(report: Report, out_dir: str, stem: str | None = None) -> tuple[str, str]:
     stem = stem or ("conformance" if report.backend == "eager" else f"conformance_{report.backend}")
     os.makedirs(out_dir, exist_ok=True)
-    jpath = os.path.join(out_dir, stem + ".json")
+    jpath = os.path.join(out_dir, stem + ".json.gz")  # a full run is ~10 MB of JSON, 0.2 MB gzipped
     mpath = os.path.join(out_dir, stem + ".md")
     d = to_json(report)
     cases = d.pop("cases")
-    with open(jpath, "w") as f:  # one case per line: greppable, diffable
+    with gzip.open(jpath, "wt") as f:  # one case per line: zgrep-able
         head = json.dumps(d, indent=1, default=str)
         f.write(head[:-2] + ',\n "cases": [\n')
         f.write(",\n".join(json.dumps(c, default=str, separators=(",", ":")) for c in cases))
@@ -1134,7 +1135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtypes", default="float32,float64", help="comma-separated, of float32,float64")
     p.add_argument("--module-dtypes", default=None, help="dtypes for modules (default: --dtypes)")
     p.add_argument("--modes", default="backward,grad_subset")
-    p.add_argument("--out", default="docs/", help="directory for conformance.json / conformance.md")
+    p.add_argument("--out", default="docs/conformance", help="directory for STEM.json.gz / STEM.md")
     p.add_argument("--stem", default=None, help="file name stem (default conformance[_BACKEND])")
     p.add_argument("--disk-cache", action="store_true",
                    help="also round-trip every case through the on-disk graph cache (in a temporary "
@@ -1145,7 +1146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="only re-render JSON (a stored run) into --out, without running anything")
     a = p.parse_args(argv)
     if a.render:
-        with open(a.render) as f:
+        with (gzip.open if a.render.endswith(".gz") else open)(a.render, "rt") as f:
             report = from_json(json.load(f))
         print("wrote %s and %s" % write(report, a.out, a.stem))
         return 0
