@@ -123,3 +123,87 @@ def test_dynamic_with_inductor():
     shapes = [(b, 16) for b in (6, 11, 40, 3)]
     s = stream(mlp(), shapes, "inductor")
     assert (s.captures, s.dynamic_captures) == (2, 1)
+
+
+def _graph_symbols(entry, tensors_only=False):
+    syms = set()
+    for n in entry.graph.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        v = n.meta.get("val")
+        vals = [v] if isinstance(v, torch.SymInt) and not tensors_only else (list(v.shape) + list(v.stride()) + [v.storage_offset()]
+                                                        if isinstance(v, torch.Tensor) else [])
+        for x in vals:
+            if isinstance(x, torch.SymInt):
+                syms |= x.node.expr.free_symbols
+    return syms
+
+
+def test_equal_sizes_share_one_symbol():
+    # NOTE [One symbol per size class]: the batch dim of every saved tensor and
+    # every saved size equal to it is one symbol, not one per position
+    stream(mlp(), [(5, 16), (9, 16), (14, 16)], "eager")
+    (dyn,) = [e for e in ca.graphs() if e.dynamic is not None]
+    assert sum(dyn.dynamic.mask) > 5
+    # the lifted tensors' batch dims: one symbol (a saved numel, 4 * batch, is its own)
+    assert len(_graph_symbols(dyn, tensors_only=True)) == 1, _graph_symbols(dyn)
+    assert len(_graph_symbols(dyn)) <= 2, _graph_symbols(dyn)
+
+
+def test_sizes_equal_by_coincidence_split_when_they_differ():
+    # batch == features in both first backwards (8/8 then 12/12): one class, one
+    # symbol and an equality guard; the next backward breaks the guard, which
+    # is a miss (a new dynamic capture), never a graph run on the wrong sizes
+    torch.manual_seed(0)
+    w = torch.randn(4, requires_grad=True)
+
+    class M(nn.Module):
+        def parameters(self):
+            return iter([w])
+
+        def forward(self, x):  # x: (b, n); saves x (b, n, 1) and the sizes (b, n, 4)
+            return (x.unsqueeze(-1) * w).sum(1)
+
+    s = stream(M(), [(8, 8), (12, 12), (10, 14), (6, 17), (12, 12)], "eager")
+    assert s.dynamic_captures == 2 and s.captures == 3
+    first, second = [e for e in ca.graphs() if e.dynamic is not None]
+    assert len(_graph_symbols(second)) == len(_graph_symbols(first)) + 1
+
+
+def test_index_identities_dropped_only_where_provable():
+    # NOTE [Indexing of dynamic reshapes]: the rewrite is checked against the
+    # original expression at every point of the iteration space
+    import itertools
+
+    import sympy
+    from torch._dynamo.source import LocalSource
+    from torch._inductor.sizevars import SizeVarAllocator
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.utils._sympy.functions import FloorDiv, ModularIndexing
+
+    from compiled_autograd.backends import _drop_range_identities
+
+    env = ShapeEnv()
+    b = env.create_symbol(5, LocalSource("b"))
+    sv = SizeVarAllocator(env)
+    x0, x3 = sympy.symbols("x0 x3", integer=True, nonnegative=True)
+    cases = [  # (expr, ranges, must the modulo go?)
+        (ModularIndexing(x3 + 64 * x0, 16, 4 * b), {x0: b, x3: 64}, True),
+        (ModularIndexing(x3 + 64 * x0, 64, b), {x0: b, x3: 64}, True),
+        (ModularIndexing(x3 + 64 * x0, 16, 4 * b), {x0: b + 1, x3: 64}, False),  # one row too many
+        (ModularIndexing(x3 + 64 * x0, 16, 4 * b), {x0: b, x3: 65}, False),
+        (FloorDiv(x3, 64) + x0, {x0: b, x3: 64}, True),
+        (ModularIndexing(x3 - 64 * x0, 16, 4 * b), {x0: b, x3: 64}, False),  # may be negative
+    ]
+
+    def value(e, env_vals):
+        return int(e.xreplace({k: sympy.Integer(v) for k, v in env_vals.items()}))
+
+    for expr, ranges, drops in cases:
+        out = _drop_range_identities(sv, expr, ranges, sympy, FloorDiv, ModularIndexing)
+        assert (out != expr) == drops, (expr, ranges, out)
+        for bv in (2, 3, 7):
+            rs = {k: int(sympy.sympify(v).subs(b, bv)) for k, v in ranges.items()}
+            for pt in itertools.product(*(range(r) for r in rs.values())):
+                vals = {**dict(zip(rs, pt)), b: bv}
+                assert value(out, vals) == value(expr, vals), (expr, out, vals)

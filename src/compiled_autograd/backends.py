@@ -69,10 +69,93 @@ def _size_class_agnostic_reductions():
 
     CppKernel.need_use_acc_helper = need_use_acc_helper
     try:
-        with _cache_tag():
+        with _symbolic_range_simplification(), _cache_tag():
             yield
     finally:
         CppKernel.need_use_acc_helper = original
+
+
+@contextlib.contextmanager
+def _symbolic_range_simplification():
+    """NOTE [Indexing of dynamic reshapes]
+    A reshape that splits one dim and merges it with another (a transformer's
+    (s, 4*b, 16) -> (s, b, 64) around attention) is lowered by inductor as
+    flatten-then-unflatten: `(x3 + 64*x0) // 16 % (4*b)`. With static sizes the
+    modulo is dropped because the base provably stays below it; with a
+    symbolic `b` inductor cannot prove `x3 + 64*x0 < 64*b` from `x0 < b`,
+    keeps the divisions and modulos per element and does not vectorize the
+    kernel (2.5 ms against 0.5 ms). Before inductor's own simplification we
+    drop a `ModularIndexing(base, d, m)` (and a `FloorDiv(base, d)`) whose base
+    is a non-negative sum of products of loop variables, sizes and integers
+    whose largest value (each loop variable at its range's end) is provably
+    below `d*m` (below `d`: zero). Sound: it only removes operations that are
+    the identity (or zero) over the whole iteration space."""
+    try:
+        import sympy
+        from torch._inductor.sizevars import SizeVarAllocator
+        from torch.utils._sympy.functions import FloorDiv, ModularIndexing
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    original = SizeVarAllocator._simplify_with_ranges
+
+    def _simplify_with_ranges(self, expr, var_ranges):
+        if var_ranges and (expr.has(ModularIndexing) or expr.has(FloorDiv)):
+            expr = _drop_range_identities(self, expr, var_ranges, sympy, FloorDiv, ModularIndexing)
+        return original(self, expr, var_ranges)
+
+    SizeVarAllocator._simplify_with_ranges = _simplify_with_ranges
+    try:
+        yield
+    finally:
+        SizeVarAllocator._simplify_with_ranges = original
+
+
+def _drop_range_identities(sizevars, expr, var_ranges, sympy, FloorDiv, ModularIndexing):
+    known = sizevars.statically_known_true
+
+    def upper(e):
+        """An upper bound of e over the iteration space, if e >= 0 there; else None."""
+        if isinstance(e, sympy.Integer):
+            return e if e >= 0 else None
+        if isinstance(e, sympy.Symbol):
+            if e in var_ranges:
+                return var_ranges[e] - 1
+            return e if known(sympy.Ge(e, 0)) else None
+        if isinstance(e, (sympy.Add, sympy.Mul)):
+            parts = [upper(a) for a in e.args]
+            if any(p is None for p in parts):
+                return None
+            return sympy.Add(*parts) if isinstance(e, sympy.Add) else sympy.Mul(*parts)
+        if isinstance(e, ModularIndexing):
+            b, d, m = e.args
+            return m - 1 if upper(b) is not None and known(sympy.Gt(m, 0)) else None
+        if isinstance(e, FloorDiv):
+            b, d = e.args
+            ub = upper(b)
+            return FloorDiv(ub, d) if ub is not None and known(sympy.Gt(d, 0)) else None
+        return None
+
+    def below(base, bound):
+        ub = upper(base)
+        return ub is not None and known(sympy.Lt(ub, bound))
+
+    def visit_mod(base, divisor, modulus):
+        if below(base, divisor * modulus):
+            return FloorDiv(base, divisor)
+        return ModularIndexing(base, divisor, modulus)
+
+    def visit_div(base, divisor):
+        if below(base, divisor):
+            return sympy.S.Zero
+        return FloorDiv(base, divisor)
+
+    w = lambda n: sympy.Wild(n, integer=True)  # noqa: E731
+    if expr.has(ModularIndexing):
+        expr = expr.replace(ModularIndexing(w("base"), w("divisor"), w("modulus")), visit_mod)
+    if expr.has(FloorDiv):
+        expr = expr.replace(FloorDiv(w("base"), w("divisor")), visit_div)
+    return expr
 
 
 @contextlib.contextmanager
@@ -95,7 +178,7 @@ def _cache_tag():
             return None
 
         def uuid(self):
-            return "compiled_autograd: size-class agnostic reductions v1"
+            return "compiled_autograd: size-class agnostic reductions, range-proven index identities v2"
 
     with config.patch(post_grad_custom_post_pass=_Tag()):
         yield

@@ -121,9 +121,9 @@ def _fall_back(cfg: Config, reason: str, eager: Callable[[], Any], user_error: b
     return result
 
 
-def _capture_and_compile(cfg: Config, collected, key, mask, reason: str) -> CompiledBackward:
+def _capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=()) -> CompiledBackward:
     t0 = time.perf_counter()
-    captured = in_graph_task(lambda: capture_backward(collected, cfg.opaque, mask))
+    captured = in_graph_task(lambda: capture_backward(collected, cfg.opaque, mask, history))
     t1 = time.perf_counter()
     names = tuple(n[0] for n in collected.capture.nodes())
     is_dynamic = captured.mask is not None and any(captured.mask)
@@ -467,7 +467,8 @@ def run_backward(
                 pkey = None  # already stored
             else:
                 try:
-                    entry = _capture_and_compile(cfg, collected, key, mask, reason)
+                    history = tuple(e.sizes for e in fam.entries()) if fam is not None else ()
+                    entry = _capture_and_compile(cfg, collected, key, mask, reason, history)
                 except Exception:
                     if mask is None or cfg.fullgraph:
                         raise

@@ -27,8 +27,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import sympy
 import torch
-from torch._dynamo.source import LocalSource
+from torch._dynamo.source import LocalSource, TensorProperty, TensorPropertySource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import (
@@ -378,23 +379,90 @@ def tensor_positions(collected: Collected) -> list[tuple[int, int, bool]]:
     return out
 
 
-def fake_inputs(collected: Collected, mask):
+class _SizeEnv(ShapeEnv):
+    """The ShapeEnv of a dynamic capture: it decides, per size position, what
+    each size, stride and storage offset of the lifted tensors becomes.
+
+    NOTE [One symbol per size class]
+    Positions that did not change across the backwards of this key stay
+    static, so kernels keep their constant dims (a head dim of 16, a d_model
+    of 64): only what changed becomes symbolic. By default every symbolic
+    position would get its own symbol: the batch dim of each saved tensor,
+    each saved `sym_sizes`, each stride. They are one size of the model, but a
+    compiler that cannot prove them equal emits indexing with divisions and
+    modulos over several symbols and no vectorization (a transformer's
+    select_backward kernel: 15 ms against 0.5 ms static). So positions that
+    held equal values in every backward seen so far (this one and each cached
+    entry of the key) form a class and share one symbol; the equalities become
+    guards (duck sizing, with a history instead of one value, so that a
+    coincidence in one backward does not merge two sizes). A guard that fails
+    is a miss, and the next capture, with one more backward of history,
+    splits the class."""
+
+    def __init__(self, classes: dict[str, Any]):
+        super().__init__()
+        self._classes = classes  # source name -> class, or None: static
+        self._symbol_of_class: dict[Any, Any] = {}
+
+    def create_symbol(self, val, source, dynamic_dim=DimDynamic.DUCK, *args, **kwargs):
+        name = source.name
+        if name not in self._classes or dynamic_dim is DimDynamic.STATIC or not isinstance(val, int):
+            return super().create_symbol(val, source, dynamic_dim, *args, **kwargs)
+        cls = self._classes[name]
+        if cls is None:
+            return sympy.Integer(val)
+        # duck sizing keyed by our class instead of by the value alone
+        self.val_to_var.pop(val, None)
+        if cls in self._symbol_of_class:
+            self.val_to_var[val] = self._symbol_of_class[cls]
+        try:
+            r = super().create_symbol(val, source, DimDynamic.DUCK, *args, **kwargs)
+        finally:
+            self.val_to_var.pop(val, None)
+        if isinstance(r, sympy.Symbol):
+            self._symbol_of_class.setdefault(cls, r)
+        return r
+
+
+def _size_classes(collected: Collected, mask, history) -> dict[str, Any]:
+    """Source name of every size position -> None where `mask` keeps it
+    static, else its class: its value in this backward and in each of
+    `history` (the sizes of earlier backwards of the key)."""
+    sizes = collected.sizes
+    names = [LocalSource(f"size{j}").name for j in range(collected.n_size_inputs)]
+    for i, (start, dim, with_strides) in enumerate(tensor_positions(collected)):
+        base = LocalSource(f"lifted{i}")
+        names += [TensorPropertySource(base, TensorProperty.SIZE, d).name for d in range(dim)]
+        if with_strides:
+            names += [TensorPropertySource(base, TensorProperty.STRIDE, d).name for d in range(dim)]
+        names.append(TensorPropertySource(base, TensorProperty.STORAGE_OFFSET).name)
+    assert len(names) == len(sizes), (len(names), len(sizes))
+    history = [h for h in history if len(h) == len(sizes)]
+    return {
+        name: ((sizes[p],) + tuple(h[p] for h in history) if mask[p] else None) for p, name in enumerate(names)
+    }
+
+
+def fake_inputs(collected: Collected, mask, history=()):
     """Fake versions of the lifted tensors, and SymInts for the size inputs
-    marked in `mask`; every other size stays static. A tensor's dims are
-    symbolic where the mask says; if its strides or offset are marked, all of
-    its dims are (its strides and offset then follow as expressions or
-    symbols). Returns also the mask of positions that really are symbolic (a
-    0/1 size, for one, is specialized)."""
-    shape_env = ShapeEnv()
+    marked in `mask`; every other size, stride and offset stays static
+    (strides that follow from symbolic sizes become expressions of them).
+    Marked positions equal in this backward and in every one of `history`
+    share a symbol (NOTE [One symbol per size class]). Returns also the mask
+    of positions that really are symbolic (a 0/1 size, for one, is
+    specialized)."""
+    shape_env = _SizeEnv(_size_classes(collected, mask, history) if mask else {})
     mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=False)
     sizes, n_si = collected.sizes, collected.n_size_inputs
     real_mask = [False] * len(sizes)
     fakes = []
     for i, (t, (start, dim, with_strides)) in enumerate(zip(collected.lifted, tensor_positions(collected))):
-        end = start + dim * (2 if with_strides else 1) + 1
-        whole = bool(mask) and any(mask[start + dim : end])
-        dims = [DimDynamic.DYNAMIC if mask and (whole or mask[start + d]) else DimDynamic.STATIC for d in range(dim)]
-        context = StatelessSymbolicContext(dynamic_sizes=dims, constraint_sizes=[None] * dim)
+        # with a mask every dim asks the env, which answers per position; so
+        # do recorded strides (torch would otherwise infer a stride from any
+        # size product of equal value, a coincidence of this one backward)
+        dims = [DimDynamic.DYNAMIC if mask else DimDynamic.STATIC] * dim
+        strides = [DimDynamic.DYNAMIC if mask and with_strides else DimDynamic.INFER_STRIDE] * dim
+        context = StatelessSymbolicContext(dynamic_sizes=dims, dynamic_strides=strides, constraint_sizes=[None] * dim)
         f = mode.from_tensor(t, symbolic_context=context, source=LocalSource(f"lifted{i}"))
         geo = list(f.shape) + (list(f.stride()) if with_strides else []) + [f.storage_offset()]
         for k, g in enumerate(geo):
@@ -411,14 +479,15 @@ def fake_inputs(collected: Collected, mask):
     return mode, shape_env, fakes, symints, tuple(size_inputs), tuple(real_mask) if mask else None
 
 
-def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None) -> Captured:
-    """Trace the whole backward (symbolic where `mask` says); nodes that cannot
-    be traced become opaque."""
+def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, history=()) -> Captured:
+    """Trace the whole backward (symbolic where `mask` says; `history`: the
+    sizes of earlier backwards of this key); nodes that cannot be traced
+    become opaque."""
     opaque_extra: dict[int, str] = {
         i: "marked opaque" for i, n in enumerate(collected.capture.nodes()) if n[0] in opaque_names and n[1] != ACCUMULATE_KIND
     }
     for _ in range(MAX_OPAQUE_RETRIES):
-        mode, shape_env, fakes, symints, size_inputs, real_mask = fake_inputs(collected, mask)
+        mode, shape_env, fakes, symints, size_inputs, real_mask = fake_inputs(collected, mask, history)
         tracer = _BackwardTracer(collected, opaque_extra, size_inputs)
         out: dict[str, Any] = {}
 
