@@ -2,7 +2,7 @@
 
     python -m compiled_autograd.conformance [--backend eager|aot_eager] [--ops-only|--modules-only]
         [--filter SUBSTR] [--sample N] [--every K] [--dtypes float32,float64] [--disk-cache]
-        [--out docs/] [--render docs/conformance.json]
+        [--out docs/conformance] [--stem NAME] [--render docs/conformance/conformance_eager.json.gz]
 
 For every op of `torch.testing._internal.common_methods_invocations.op_db` that supports
 autograd (float32 and float64 where the op supports them on CPU) and every module of
@@ -40,7 +40,7 @@ Each case ends in one status:
 counted as compiled in the totals.
 
 The library API is `run(...)`, returning a `Report`; `write(report, out_dir)` writes
-`conformance.json` and `conformance.md`.
+`STEM.json.gz` (one case per line) and `STEM.md`.
 """
 
 from __future__ import annotations
