@@ -256,3 +256,37 @@ def test_background_compile_failure_keeps_the_traced_graph():
     torch.testing.assert_close(w.grad, 3 * w.detach().exp())
     s = ca.stats()
     assert (s.captures, s.hits, s.compile_failures, s.eager_fallbacks) == (1, 2, 1, 0)
+
+
+def test_garbage_collector_paused_on_hits_only_and_restored():
+    # NOTE [No garbage collection on a hit]
+    import gc
+
+    x = torch.randn(4, requires_grad=True)
+    states = []
+
+    def hook(g):
+        states.append(gc.isenabled())
+        return g
+
+    def step(fn):
+        y = (x * 2).sin()
+        y.register_hook(hook)
+        fn(y.sum())
+
+    assert gc.isenabled()
+    with ca.enable("eager"):
+        step(lambda l: l.backward())  # miss: the capture runs with the collector on
+        step(lambda l: l.backward())  # hit: paused while the graph (and its hook) runs
+        step(lambda l: l.backward(create_graph=True))  # eager fallback: on
+    assert states == [True, False, True]
+    assert gc.isenabled()
+    assert ca.stats().hits == 1
+    gc.disable()  # the user's choice is left alone
+    try:
+        with ca.enable("eager"):
+            step(lambda l: l.backward())
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    x.grad = None
