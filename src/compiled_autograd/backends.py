@@ -33,13 +33,38 @@ def compile_graph(
         if backend == "aot_eager":
             from torch._dynamo.backends.debugging import aot_eager
 
-            return aot_eager(gm, list(example_inputs))
+            return _compile_boxed(aot_eager, gm, example_inputs)
         if backend == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
             with _size_class_agnostic_reductions() if dynamic else contextlib.nullcontext():
-                return compile_fx(gm, list(example_inputs))
+                return _compile_boxed(compile_fx, gm, example_inputs)
         return backend(gm, list(example_inputs))
+
+
+# NOTE [Boxed graphs free their inputs]
+# AOTAutograd's usual entry point is `forward(*args)`: the argument tuple keeps
+# every input alive until the graph returns, so the saved activations of the
+# whole backward are alive at once. For a module wrapped in dynamo's GmWrapper
+# (how torch compiles graphs with list inputs, its own compiled autograd
+# included) it returns `forward(args: list)`, which empties the list; the
+# compiled code then drops each input after its last use, and the backward's
+# memory falls as it runs, like eager's. Callables marked BOXED take the list.
+BOXED = "_compiled_autograd_boxed"
+
+
+def _as_is(flat_args):
+    return flat_args
+
+
+def _compile_boxed(compile: Callable, gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
+    try:
+        from torch._dynamo.utils import GmWrapper
+    except ImportError:  # pragma: no cover - other torch versions
+        return compile(gm, list(example_inputs))
+    fn = compile(GmWrapper(gm, _as_is), list(example_inputs))
+    setattr(fn, BOXED, True)
+    return fn
 
 
 @contextlib.contextmanager

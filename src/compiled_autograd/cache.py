@@ -19,6 +19,7 @@ from typing import Callable, Hashable
 
 import torch
 
+from .backends import BOXED
 from .trace import Plan
 
 
@@ -67,7 +68,11 @@ class CompiledBackward:
     nodes: tuple = ()  # (name, kind, hooks, opaque reason, edges) per node, for dump()
     node_keys: tuple = ()  # each node's bytes of the key, then the tensor metadata, for explain()
 
-    def __call__(self, args):
+    def __call__(self, args: list):
+        """Run the graph. A boxed callable (backends.BOXED) takes the list
+        itself and empties it, so each input can be freed at its last use."""
+        if getattr(self.fn, BOXED, False):
+            return self.fn(args)
         return self.fn(*args)
 
 

@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import diskcache, native
-from .backends import compile_graph
+from .backends import BOXED, compile_graph
 from .cache import CACHE, CompiledBackward, Dynamic
 from .config import Config
 from .stats import LOCK, STATS
@@ -510,6 +510,7 @@ def _run_backward(
     lifted = collected.lifted
     fam = CACHE.family(key)
     entry, extra = fam.lookup(collected.sizes, lifted) if fam is not None else (None, [])
+    released = False
     try:
         if entry is None:
             pause.resume()  # tracing and compiling make garbage cycles
@@ -537,10 +538,23 @@ def _run_backward(
         else:
             with LOCK:
                 STATS.hits += 1
-            results = _replay(entry, capture, lifted, extra)
+            if not keep_graph and not entry.plan.slots and getattr(entry.fn, BOXED, False):
+                # NOTE [Boxed graphs free their inputs]: the graph gets the only
+                # references to the saved tensors, and frees each after its last
+                # use. No opaque call needs the nodes' saved variables.
+                args = lifted + extra
+                lifted.clear()
+                capture.drop_lifted()
+                capture.release()
+                released = True
+                results = _replay(entry, capture, args, [])
+            else:
+                results = _replay(entry, capture, lifted, extra)
     except Exception as e:
-        if entry is not None and entry.plan.slots:
-            raise  # opaque calls (hooks, nodes) may have run: never run the backward twice
+        if released or (entry is not None and entry.plan.slots):
+            # opaque calls (hooks, nodes) may have run, or the saved tensors are
+            # gone: never run the backward twice
+            raise
         if cfg.fullgraph:
             raise
         capture.clear()

@@ -682,6 +682,12 @@ class GraphCapture {
     }
   }
 
+  // Drop our references to the lifted tensors (they were handed to the
+  // compiled graph, which frees each at its last use).
+  void drop_lifted() {
+    std::vector<at::Tensor>().swap(call_.tensor_args.inputs);
+  }
+
   // Drop every reference to the graph (nodes, lifted tensors).
   void clear() {
     nodes_.clear();
@@ -1077,6 +1083,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("accumulate", &GraphCapture::accumulate)
       .def("apply_results", &GraphCapture::apply_results)
       .def("release", &GraphCapture::release)
+      .def("drop_lifted", &GraphCapture::drop_lifted)
       .def("clear", &GraphCapture::clear);
   py::class_<PyNodeSavedSwap>(m, "PyNodeSavedSwap")
       .def(py::init<py::object, const std::vector<std::optional<at::Tensor>>&>())
