@@ -457,22 +457,14 @@ class _GCPause:
             gc.enable()
 
 
-def run_backward(
-    cfg: Config,
-    eager: Callable[[], Any],
-    roots: Sequence[Any],
-    grads: Sequence[Any],
-    keep_graph: bool,
-    create_graph: bool,
-    inputs: Sequence[Any],
-    allow_unused: bool,
-    accumulate_grad: bool,
-):
+def run_backward(*args):
+    """One backward through compiled_autograd; the arguments are
+    `_run_backward`'s (cfg, eager, roots, grads, keep_graph, create_graph,
+    inputs, allow_unused, accumulate_grad), run with the collector paused
+    (NOTE [No garbage collection on a hit])."""
     pause = _GCPause()
     try:
-        return _run_backward(
-            cfg, eager, roots, grads, keep_graph, create_graph, inputs, allow_unused, accumulate_grad, pause
-        )
+        return _run_backward(*args, pause=pause)
     finally:
         pause.resume()
 
