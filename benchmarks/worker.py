@@ -97,6 +97,8 @@ class Mode:
             finally:
                 times.append(pc() - t0)
 
+        # keep the callable's markers (compiled_autograd's boxed calling convention)
+        timed.__dict__.update(getattr(fn, "__dict__", {}))
         return timed
 
     def _setup_ours(self):
