@@ -193,6 +193,23 @@ def markdown(data: dict) -> str:
                           _ratio(r.get("eager_vs_floor")), ops or "(no matmul/conv: floor 0)"])
             lines += [_table(["workload", "floor (ms)", "eager steady (ms)", "eager / floor", "ops (ms)"], t), ""]
 
+        mem = [r for r in fixed if r.get("bwd_peak_mb") is not None and r["mode"] != "eager"]
+        if mem:
+            lines += [
+                "## Memory of one backward",
+                "",
+                "How far the process's resident set rises above its level at the start of one steady-state "
+                "`.backward()` (peak reset right before it; median of 3), for the mode and for eager in the "
+                "same process. Unlike peak RSS above, this leaves out the compiler and what was allocated "
+                "before the backward (activations, parameters): it is what the backward itself needs on top.",
+                "",
+            ]
+            t = [[r["workload"], MODE_LABELS.get(r["mode"], r["mode"]), _num(r["bwd_peak_mb"], fmt="{:.1f}"),
+                  _num(r.get("eager_bwd_peak_mb"), fmt="{:.1f}"),
+                  _num(r["bwd_peak_mb"] - r["eager_bwd_peak_mb"], fmt="{:+.1f}") if r.get("eager_bwd_peak_mb") is not None else "-"]
+                 for r in mem]
+            lines += [_table(["workload", "mode", "backward peak (MB)", "eager backward peak (MB)", "difference (MB)"], t), ""]
+
         chain = [r for r in fixed if r["workload"] == "chain"]
         if chain:
             lines += [

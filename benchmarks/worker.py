@@ -61,6 +61,28 @@ FLOOR_OPS = re.compile(
 )
 
 
+def _proc_mb(field: str) -> float | None:
+    """A /proc/self/status memory field (VmRSS, VmHWM) in MB; None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset VmHWM to the current resident set (Linux: write 5 to clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
@@ -326,6 +348,27 @@ def run_fixed(wl, mode: Mode, args, res: dict, save):
         res["graph_timing_note"] = "some timed backwards did not call a compiled graph (eager fallback?)"
     res["stats"] = mode.stats()
     res["peak_rss_mb"] = rss_mb()
+    save()
+
+    # 4b. memory of one backward: how far the resident set rises above where it was when the
+    # backward started (the peak is reset right before), eager and mode interleaved, median of 3
+    def bwd_peak(ctx):
+        zero(params)
+        loss = wl.loss()
+        gc.collect()
+        before = _proc_mb("VmRSS")
+        if before is None or not _reset_peak_rss():
+            return None
+        with ctx():
+            loss.backward()
+        return _proc_mb("VmHWM") - before
+
+    peaks, eager_peaks = [], []
+    for _ in range(3):
+        eager_peaks.append(bwd_peak(contextlib.nullcontext))
+        peaks.append(bwd_peak(mode.ctx))
+    if None not in peaks + eager_peaks:
+        res["bwd_peak_mb"], res["eager_bwd_peak_mb"] = median(peaks), median(eager_peaks)
     save()
 
     # 5. the floor (eager backward, profiled)
