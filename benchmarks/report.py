@@ -201,7 +201,11 @@ def markdown(data: dict) -> str:
                 "How far the process's resident set rises above its level at the start of one steady-state "
                 "`.backward()` (peak reset right before it; median of 3), for the mode and for eager in the "
                 "same process. Unlike peak RSS above, this leaves out the compiler and what was allocated "
-                "before the backward (activations, parameters): it is what the backward itself needs on top.",
+                "before the backward (activations, parameters): it is what the backward itself needs on top. "
+                "It is coarse: memory the allocator already holds (freed earlier) is reused without raising the "
+                "resident set, so a row can read 0 and two processes can differ by tens of MB for the same "
+                "graph; the test `tests/test_memory.py` checks the mechanism (saved tensors freed at their "
+                "last use inside the graph) exactly.",
                 "",
             ]
             t = [[r["workload"], MODE_LABELS.get(r["mode"], r["mode"]), _num(r["bwd_peak_mb"], fmt="{:.1f}"),
