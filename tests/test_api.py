@@ -262,31 +262,33 @@ def test_garbage_collector_paused_on_hits_only_and_restored():
     # NOTE [No garbage collection on a hit]
     import gc
 
-    x = torch.randn(4, requires_grad=True)
     states = []
 
     def hook(g):
         states.append(gc.isenabled())
         return g
 
-    def step(fn):
+    def step(fn, seed):
+        torch.manual_seed(seed)
+        x = torch.randn(4, requires_grad=True)  # new values each step, one cache entry
         y = (x * 2).sin()
         y.register_hook(hook)
         fn(y.sum())
+        torch.testing.assert_close(x.grad, 2 * torch.cos(2 * x.detach()))
 
     assert gc.isenabled()
     with ca.enable("eager"):
-        step(lambda l: l.backward())  # miss: the capture runs with the collector on
-        step(lambda l: l.backward())  # hit: paused while the graph (and its hook) runs
-        step(lambda l: l.backward(create_graph=True))  # eager fallback: on
+        step(lambda l: l.backward(), 0)  # miss: the capture runs with the collector on
+        step(lambda l: l.backward(), 1)  # hit: paused while the graph (and its hook) runs
+        step(lambda l: l.backward(create_graph=True), 2)  # eager fallback: on
     assert states == [True, False, True]
     assert gc.isenabled()
-    assert ca.stats().hits == 1
     gc.disable()  # the user's choice is left alone
     try:
         with ca.enable("eager"):
-            step(lambda l: l.backward())
+            step(lambda l: l.backward(), 3)
         assert not gc.isenabled()
     finally:
         gc.enable()
-    x.grad = None
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 2, 1)

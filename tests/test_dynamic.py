@@ -142,7 +142,8 @@ def _graph_symbols(entry, tensors_only=False):
 def test_equal_sizes_share_one_symbol():
     # NOTE [One symbol per size class]: the batch dim of every saved tensor and
     # every saved size equal to it is one symbol, not one per position
-    stream(mlp(), [(5, 16), (9, 16), (14, 16)], "eager")
+    s = stream(mlp(), [(5, 16), (9, 16), (14, 16)], "eager")
+    assert (s.captures, s.dynamic_captures, s.hits) == (2, 1, 1)
     (dyn,) = [e for e in ca.graphs() if e.dynamic is not None]
     assert sum(dyn.dynamic.mask) > 5
     # the lifted tensors' batch dims: one symbol (a saved numel, 4 * batch, is its own)
