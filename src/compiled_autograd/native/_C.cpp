@@ -38,6 +38,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/dynamo/compiled_autograd.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <queue>
@@ -141,6 +142,79 @@ static variable_list copy_slices_epilogue(
   return grad_inputs;
 }
 
+// NOTE [Sharing functionals with torch's compiled autograd]
+// A generated node binds its functional form once per process, through the
+// compiled-autograd interface active the first time it is traced (a
+// function-local static in torch's generated code), and reuses the returned
+// name ever after. Whichever of torch's built-in compiled autograd and ours
+// traces a node type first therefore decides where its functional lives. So
+// that both keep working in one process, we register every functional we bind
+// in torch's namespace too (`torch._dynamo.compiled_autograd.ops`, with the
+// Python calling convention torch's own binder uses: `(grads: list[Tensor |
+// None], *packed_args)` -> `list[Tensor | None]`) and use the name it assigns;
+// and a name bound by torch first is called through that namespace.
+static std::vector<at::Tensor> to_tensors(const std::vector<std::optional<at::Tensor>>& xs) {
+  std::vector<at::Tensor> out;
+  out.reserve(xs.size());
+  for (const auto& x : xs) {
+    out.emplace_back(x.has_value() ? *x : at::Tensor());
+  }
+  return out;
+}
+
+static std::string share_with_torch(
+    const std::string& fn_name,
+    const cad::functional_apply_t& fn,
+    std::vector<at::TypePtr> schema,
+    bool is_custom_function,
+    bool is_traceable) {
+  py::gil_scoped_acquire gil;
+  try {
+    auto py_fn = py::cpp_function(
+        [schema = std::move(schema), fn](
+            std::vector<std::optional<at::Tensor>>& grads, const py::args& py_args) -> py::object {
+          TORCH_CHECK(py_args.size() == schema.size(), "functional called with ", py_args.size(),
+                      " packed args, expected ", schema.size());
+          std::vector<at::IValue> args;
+          args.reserve(schema.size());
+          for (size_t i = 0; i < schema.size(); i++) {
+            py::handle arg = py_args[i];
+            if (schema[i]->isSubtypeOf(*at::ListType::ofTensors())) {
+              args.emplace_back(to_tensors(py::cast<std::vector<std::optional<at::Tensor>>>(arg)));
+            } else {
+              args.emplace_back(torch::jit::toIValue(arg, schema[i], std::nullopt));
+            }
+          }
+          return torch::jit::toPyObject(at::IValue(fn(to_tensors(grads), args)));
+        });
+    py::object ops = py::module_::import("torch._dynamo.compiled_autograd").attr("ops");
+    return ops.attr("add")(fn_name, py_fn, is_custom_function, is_traceable).cast<std::string>();
+  } catch (const std::exception&) {
+    // torch's compiled autograd unavailable or the name taken: keep ours private
+    PyErr_Clear();
+    return fn_name;
+  }
+}
+
+static variable_list call_torch_functional(
+    const std::string& fn_name,
+    const variable_list& grads,
+    const cad::ivalue_list& packed_args) {
+  py::gil_scoped_acquire gil;
+  py::object op = py::module_::import("torch._dynamo.compiled_autograd").attr("ops").attr("get")(fn_name);
+  py::tuple args(packed_args.size() + 1);
+  std::vector<std::optional<at::Tensor>> opt_grads;
+  opt_grads.reserve(grads.size());
+  for (const auto& g : grads) {
+    opt_grads.emplace_back(g.defined() ? std::optional<at::Tensor>(g) : std::nullopt);
+  }
+  args[0] = py::cast(opt_grads);
+  for (size_t i = 0; i < packed_args.size(); i++) {
+    args[i + 1] = torch::jit::toPyObject(packed_args[i]);
+  }
+  return to_tensors(py::cast<std::vector<std::optional<at::Tensor>>>(op(*args)));
+}
+
 // NOTE [Deferred trace errors]
 // A node's apply_with_saved swaps its saved values for proxies, calls us, and
 // swaps them back. If we threw from inside, the swap-back would be skipped and
@@ -155,11 +229,12 @@ struct TraceInterface : public cad::PyCompilerInterface {
       PyObject* /*py_compiler*/,
       const std::string& fn_name,
       cad::functional_apply_t fn,
-      std::vector<at::TypePtr> /*schema*/,
-      bool /*is_custom_function*/,
-      bool /*is_traceable*/) const override {
-    functionals()[fn_name] = std::move(fn);
-    return fn_name;
+      std::vector<at::TypePtr> schema,
+      bool is_custom_function,
+      bool is_traceable) const override {
+    std::string name = share_with_torch(fn_name, fn, std::move(schema), is_custom_function, is_traceable);
+    functionals()[name] = std::move(fn);
+    return name;
   }
 
   template <typename F>
@@ -188,10 +263,9 @@ struct TraceInterface : public cad::PyCompilerInterface {
           std::string(method_name) == "apply_functional",
           "unsupported trace call ", method_name);
       auto it = functionals().find(fn_name);
-      TORCH_CHECK(
-          it != functionals().end(),
-          "no functional bound for ", fn_name,
-          " (torch's built-in compiled autograd bound it first in this process)");
+      if (it == functionals().end()) {
+        return call_torch_functional(fn_name, inputs, packed_args);
+      }
       return it->second(inputs, packed_args);
     });
   }
