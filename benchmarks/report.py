@@ -18,6 +18,13 @@ MODE_LABELS = {
 }
 
 
+def _faults(r):
+    m, e = r.get("minor_faults_per_backward"), r.get("eager_minor_faults_per_backward")
+    if m is None:
+        return "-"
+    return f"{m:.0f} ({e:.0f})" if e is not None and r["mode"] != "eager" else f"{m:.0f}"
+
+
 def _num(v, scale=1.0, digits=3, fmt=None):
     if v is None:
         return "-"
@@ -145,12 +152,14 @@ def markdown(data: dict) -> str:
             "thread; the wait is `ca.synchronize()` right after the first backward) — this is the number to "
             "compare with torch CA's first backward. `steady`: median "
             "`.backward()` time (forward excluded), after the compile is done. `vs eager`: steady / "
-            "eager-steady, where the eager backwards are interleaved with the mode's in the *same* process "
+            "eager-steady, where the eager backwards alternate with the mode's, in blocks, in the *same* process "
             "(for the eager row this shows the noise); `(min)`: the same ratio of the fastest backwards, "
             "less sensitive to other load on the machine. `vs floor`: steady / the floor (below). `max |Δgrad|`: over every parameter, "
             "after the first and the last backward, vs an eager backward on the same inputs. `µs/node`: "
             "steady / autograd nodes. `overhead µs/node`: (steady backward − time inside the compiled "
-            "graph) / nodes, i.e. what is spent around the graph per backward.",
+            "graph) / nodes, i.e. what is spent around the graph per backward. `page faults / bwd`: minor "
+            "page faults per timed backward (median), the mode's and, in brackets, eager's in the same "
+            "process (memory the allocator returned to the OS and must fault in again, zeroed).",
             "",
         ]
         table = []
@@ -162,12 +171,13 @@ def markdown(data: dict) -> str:
                 _num(r.get("steady_median_s"), 1e3, digits=3),
                 _ratio(r.get("vs_eager")), _ratio(r.get("vs_eager_min")), _ratio(r.get("vs_floor")), _compiles(r),
                 _num(r.get("peak_rss_mb"), fmt="{:.0f}"), _diff(r.get("max_grad_diff")),
-                _num(r.get("per_node_us"), digits=3), _num(r.get("overhead_per_node_us"), digits=3), _status(r),
+                _num(r.get("per_node_us"), digits=3), _num(r.get("overhead_per_node_us"), digits=3),
+                _faults(r), _status(r),
             ])
         lines += [_table(["workload", "mode", "nodes", "first bwd (s)", "until compiled (s)", "steady (ms)",
                           "vs eager", "vs eager (min)", "vs floor",
                           "compiles", "peak RSS (MB)", "max \\|Δgrad\\|", "µs/node", "overhead µs/node",
-                          "status"], table), ""]
+                          "page faults / bwd (eager)", "status"], table), ""]
 
         # Floor
         floors = {}
@@ -193,10 +203,34 @@ def markdown(data: dict) -> str:
                           _ratio(r.get("eager_vs_floor")), ops or "(no matmul/conv: floor 0)"])
             lines += [_table(["workload", "floor (ms)", "eager steady (ms)", "eager / floor", "ops (ms)"], t), ""]
 
+        tmem = [r for r in fixed if r.get("step_tensor_peak_mb") is not None and r["mode"] != "eager"]
+        if tmem:
+            lines += [
+                "## Peak tensor memory of a training step",
+                "",
+                "The most tensor memory alive at once during one steady-state step (forward + `.backward()`), "
+                "counting what the step allocates (activations, gradients, temporaries; parameters and "
+                "inputs, allocated before, are left out and listed apart). From the profiler's allocator "
+                "events (`profile_memory=True`): every allocation and free of the CPU allocator, the "
+                "compiled graphs' buffers included, summed in time order; exact, unlike the resident set. "
+                "Median of 3, mode and eager alternating in the same process. `vs eager` is the target's "
+                "ratio (<= 1.10x), and stricter than one on the whole process, whose parameters are the same "
+                "in both.",
+                "",
+            ]
+            t = [[r["workload"], MODE_LABELS.get(r["mode"], r["mode"]), _num(r["step_tensor_peak_mb"]),
+                  _num(r["eager_step_tensor_peak_mb"]),
+                  _num(r["step_tensor_peak_mb"] / r["eager_step_tensor_peak_mb"], fmt="{:.2f}x")
+                  if r["eager_step_tensor_peak_mb"] else "-",
+                  _num(r.get("param_mb"))]
+                 for r in tmem]
+            lines += [_table(["workload", "mode", "step peak (MB)", "eager step peak (MB)", "vs eager",
+                              "parameters (MB)"], t), ""]
+
         mem = [r for r in fixed if r.get("bwd_peak_mb") is not None and r["mode"] != "eager"]
         if mem:
             lines += [
-                "## Memory of one backward",
+                "## Resident set of one backward",
                 "",
                 "How far the process's resident set rises above its level at the start of one steady-state "
                 "`.backward()` (peak reset right before it; median of 3), for the mode and for eager in the "

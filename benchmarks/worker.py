@@ -11,11 +11,12 @@ Modes:
 What is measured (all in this one process, `torch.set_num_threads(2)`):
   1. one eager backward on the workload's inputs: the reference gradients;
   2. the first backward under the mode (capture + compile for the compiled modes);
-  3. `--warmup` backwards under the mode, then `--iters` pairs of backwards, one eager and one
-     under the mode, interleaved (alternating which goes first), only `.backward()` timed with
-     `time.perf_counter` (the forward runs outside the timed region). The ratio mode/eager of
-     the medians comes from the same process, so load from other processes on the machine
-     affects both about equally;
+  3. `--warmup` backwards under the mode, then at least `--iters` timed backwards of each, eager
+     and the mode alternating in blocks of BLOCK (the first of each block untimed, see NOTE
+     [Timing in blocks]), only `.backward()` timed with `time.perf_counter` (the forward runs
+     outside the timed region), with the minor page faults of each. The ratio mode/eager of the
+     medians comes from the same process, so load from other processes on the machine affects
+     both about equally;
   4. the largest |grad - eager grad| over every parameter, after the first and the last backward;
   5. the floor: self CPU time of the matmul/conv/attention kernels in an eager backward
      (torch.profiler, the fastest of 5);
@@ -85,6 +86,26 @@ def _reset_peak_rss() -> bool:
 
 def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+# NOTE [Timing in blocks]
+# The allocator's state carries over from one backward to the next: glibc's
+# malloc returns freed memory to the OS or keeps it depending on what was
+# allocated and freed before (its mmap and trim thresholds adapt), and memory
+# it returned must be faulted in again (zeroed pages) at the next allocation.
+# Eager and a compiled graph allocate and free differently, so a backward that
+# follows the other mode's backward runs in a memory state that neither mode
+# sees in a training loop of its own: on the D=1024 MLP, eager alone takes
+# ~8,000 page faults per backward and ours alone ~100, but strictly
+# alternated, the one that follows the other takes the 8,000. So the modes
+# alternate by blocks of BLOCK backwards and the first of each block, which
+# pays for the switch, is not timed; minor page faults per backward are
+# reported with the times.
+BLOCK = 4
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def median(xs):
@@ -237,6 +258,26 @@ def max_diff(ref, params) -> float:
     return worst
 
 
+def tensor_peak_mb(fn) -> float:
+    """The most tensor memory alive at once while fn runs, counting only what fn allocates (MB).
+
+    From the profiler's allocator events (`profile_memory=True`: every allocation and free of the
+    CPU allocator, compiled code's buffers included, with its time): the running sum of their
+    sizes, in time order, and its maximum. Unlike the resident set, this is exact and leaves out
+    the allocator's caching and the compiler's own memory."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak / 2**20
+
+
 def floor_of(loss_fn, params, runs: int = 5) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -292,38 +333,50 @@ def run_fixed(wl, mode: Mode, args, res: dict, save):
     res["stats_after_first"] = mode.stats()
     save()
 
-    # 3. warm-up, then interleaved eager / mode pairs
+    # 3. warm-up, then eager and mode in alternating blocks
     for _ in range(args.warmup):
         zero(params)
         loss = wl.loss()
         with mode.ctx():
             loss.backward()
-    eager_t, mode_t, graph_t = [], [], []
+    eager_t, mode_t, graph_t, eager_f, mode_f = [], [], [], [], []
 
-    def one(ctx, out, graph=None):
+    def one(ctx, out, faults, graph=None):
         zero(params)
         loss = wl.loss()
         mode.graph_times.clear()
+        f0 = _minor_faults()
         t0 = pc()
         with ctx():
             loss.backward()
         out.append(pc() - t0)
+        faults.append(_minor_faults() - f0)
         if graph is not None:
             graph.append(sum(mode.graph_times) if mode.graph_times else None)
 
+    def block(ctx, out, faults, graph=None):
+        # BLOCK backwards in a row, the first one untimed: it runs in the memory state the other
+        # mode left behind (see NOTE [Timing in blocks])
+        one(ctx, [], [], [] if graph is not None else None)
+        for _ in range(BLOCK - 1):
+            one(ctx, out, faults, graph)
+
     gc.collect()
-    # at least --iters pairs, and more for fast backwards: until pairs x the median mode backward
-    # reaches --min-time seconds (at most 25 x --iters pairs; the median, so that a few slow
-    # outliers caused by other load do not end the loop early)
+    # at least --iters backwards each, and more for fast backwards: until the mode's backwards
+    # (median x count) reach --min-time seconds (at most 25 x --iters; the median, so that a few
+    # slow outliers caused by other load do not end the loop early); eager and mode alternate by
+    # blocks, in alternating order
     i = 0
-    while i < args.iters or (len(mode_t) * median(mode_t) < args.min_time and i < 25 * args.iters):
+    while len(mode_t) < args.iters or (len(mode_t) * median(mode_t) < args.min_time and len(mode_t) < 25 * args.iters):
         i += 1
         if i % 2 == 0:
-            one(contextlib.nullcontext, eager_t)
-            one(mode.ctx, mode_t, graph_t)
+            block(contextlib.nullcontext, eager_t, eager_f)
+            block(mode.ctx, mode_t, mode_f, graph_t)
         else:
-            one(mode.ctx, mode_t, graph_t)
-            one(contextlib.nullcontext, eager_t)
+            block(mode.ctx, mode_t, mode_f, graph_t)
+            block(contextlib.nullcontext, eager_t, eager_f)
+    res["minor_faults_per_backward"] = median(mode_f)
+    res["eager_minor_faults_per_backward"] = median(eager_f)
     res["max_grad_diff_last"] = max_diff(ref, params)
     res["max_grad_diff"] = max(res["max_grad_diff_first"], res["max_grad_diff_last"])
     res["eager_backward_times_s"] = eager_t
@@ -351,7 +404,7 @@ def run_fixed(wl, mode: Mode, args, res: dict, save):
     save()
 
     # 4b. memory of one backward: how far the resident set rises above where it was when the
-    # backward started (the peak is reset right before), eager and mode interleaved, median of 3
+    # backward started (the peak is reset right before), eager and mode alternating, median of 3
     def bwd_peak(ctx):
         zero(params)
         loss = wl.loss()
@@ -369,6 +422,22 @@ def run_fixed(wl, mode: Mode, args, res: dict, save):
         peaks.append(bwd_peak(mode.ctx))
     if None not in peaks + eager_peaks:
         res["bwd_peak_mb"], res["eager_bwd_peak_mb"] = median(peaks), median(eager_peaks)
+    save()
+
+    # 4c. tensor memory of one training step (forward + backward), from the allocator's events
+    def step(ctx):
+        zero(params)
+        loss = wl.loss()
+        with ctx():
+            loss.backward()
+
+    if not args.no_profile:
+        steps, eager_steps = [], []
+        for _ in range(3):
+            eager_steps.append(tensor_peak_mb(lambda: step(contextlib.nullcontext)))
+            steps.append(tensor_peak_mb(lambda: step(mode.ctx)))
+        res["step_tensor_peak_mb"], res["eager_step_tensor_peak_mb"] = median(steps), median(eager_steps)
+        res["param_mb"] = sum(p.numel() * p.element_size() for p in params) / 2**20
     save()
 
     # 5. the floor (eager backward, profiled)
