@@ -425,17 +425,23 @@ def run_fixed(wl, mode: Mode, args, res: dict, save):
     save()
 
     # 4c. tensor memory of one training step (forward + backward), from the allocator's events
+    # (the previous step's .grad are freed before, outside the measured region: their frees would
+    # count against the step)
     def step(ctx):
-        zero(params)
         loss = wl.loss()
         with ctx():
             loss.backward()
 
+    def measured(ctx):
+        zero(params)
+        gc.collect()
+        return tensor_peak_mb(lambda: step(ctx))
+
     if not args.no_profile:
         steps, eager_steps = [], []
         for _ in range(3):
-            eager_steps.append(tensor_peak_mb(lambda: step(contextlib.nullcontext)))
-            steps.append(tensor_peak_mb(lambda: step(mode.ctx)))
+            eager_steps.append(measured(contextlib.nullcontext))
+            steps.append(measured(mode.ctx))
         res["step_tensor_peak_mb"], res["eager_step_tensor_peak_mb"] = median(steps), median(eager_steps)
         res["param_mb"] = sum(p.numel() * p.element_size() for p in params) / 2**20
     save()
