@@ -18,6 +18,10 @@ MODE_LABELS = {
 }
 
 
+def _section(title, text):
+    return [f"## {title}", "", text, ""]
+
+
 def _faults(r):
     m, e = r.get("minor_faults_per_backward"), r.get("eager_minor_faults_per_backward")
     if m is None:
@@ -205,9 +209,8 @@ def markdown(data: dict) -> str:
 
         tmem = [r for r in fixed if r.get("step_tensor_peak_mb") is not None and r["mode"] != "eager"]
         if tmem:
-            lines += [
-                "## Peak tensor memory of a training step",
-                "",
+            lines += _section(
+                "Peak tensor memory of a training step",
                 "The most tensor memory alive at once during one steady-state step (forward + `.backward()`), "
                 "counting what the step allocates (activations, gradients, temporaries; parameters and "
                 "inputs, allocated before, are left out and listed apart). From the profiler's allocator "
@@ -216,8 +219,7 @@ def markdown(data: dict) -> str:
                 "Median of 3, mode and eager alternating in the same process. `vs eager` is the target's "
                 "ratio (<= 1.10x), and stricter than one on the whole process, whose parameters are the same "
                 "in both.",
-                "",
-            ]
+            )
             t = [[r["workload"], MODE_LABELS.get(r["mode"], r["mode"]), _num(r["step_tensor_peak_mb"]),
                   _num(r["eager_step_tensor_peak_mb"]),
                   _num(r["step_tensor_peak_mb"] / r["eager_step_tensor_peak_mb"], fmt="{:.2f}x")
@@ -229,9 +231,8 @@ def markdown(data: dict) -> str:
 
         mem = [r for r in fixed if r.get("bwd_peak_mb") is not None and r["mode"] != "eager"]
         if mem:
-            lines += [
-                "## Resident set of one backward",
-                "",
+            lines += _section(
+                "Resident set of one backward",
                 "How far the process's resident set rises above its level at the start of one steady-state "
                 "`.backward()` (peak reset right before it; median of 3), for the mode and for eager in the "
                 "same process. Unlike peak RSS above, this leaves out the compiler and what was allocated "
@@ -240,8 +241,7 @@ def markdown(data: dict) -> str:
                 "resident set, so a row can read 0 and two processes can differ by tens of MB for the same "
                 "graph; the test `tests/test_memory.py` checks the mechanism (saved tensors freed at their "
                 "last use inside the graph) exactly.",
-                "",
-            ]
+            )
             t = [[r["workload"], MODE_LABELS.get(r["mode"], r["mode"]), _num(r["bwd_peak_mb"], fmt="{:.1f}"),
                   _num(r.get("eager_bwd_peak_mb"), fmt="{:.1f}"),
                   _num(r["bwd_peak_mb"] - r["eager_bwd_peak_mb"], fmt="{:+.1f}") if r.get("eager_bwd_peak_mb") is not None else "-"]
