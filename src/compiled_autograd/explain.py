@@ -25,6 +25,12 @@ def explain() -> str:
         )
         for name, why in c.get("opaque", ()):
             lines.append(f"    opaque: {name}: {why}")
+        if c.get("unpacked"):
+            lines.append(
+                f"    saved-tensor hooks: {c['unpacked']} tensors ({c['unpacked_mb']:.1f} MB) unpacked when the backward "
+                "started (eager unpacks each when its node runs; checkpointed regions are recomputed up front, "
+                "so their activations are alive together)"
+            )
         if c.get("dynamic"):
             shown = ", ".join(c["dynamic"][:12]) + (" ..." if len(c["dynamic"]) > 12 else "")
             lines.append(f"    symbolic sizes: {shown}")

@@ -162,7 +162,7 @@ def _capture_and_compile(cfg: Config, collected, key, mask, reason: str, history
         dict(reason=reason, nodes=len(names), backend=cfg.backend_name, opaque=[o[1:] for o in captured.plan.opaque],
              trace_seconds=t1 - t0, compile_seconds=t2 - t1, inputs=len(collected.lifted),
              dynamic=_describe_dynamic(collected, entry.dynamic), guards=entry.dynamic.guard_source if entry.dynamic else None,
-             background=background)
+             background=background, **_unpacked_up_front(collected))
     )
     log.info("captured %d nodes (%s): trace %.2fs, compile %.2fs", len(names), reason, t1 - t0, t2 - t1)
     if background:
@@ -204,11 +204,22 @@ def _entry_from_disk(cfg: Config, collected, key, record, reason: str) -> Compil
     _capture_log.append(
         dict(reason=entry.reason, nodes=len(entry.node_names), backend=cfg.backend_name, opaque=[o[1:] for o in entry.plan.opaque],
              trace_seconds=0.0, compile_seconds=entry.compile_seconds, inputs=entry.num_inputs, dynamic=[], guards=None,
-             background=background)
+             background=background, **_unpacked_up_front(collected))
     )
     if background:
         _compile_in_background(cfg, key, entry, _static_fakes(collected.lifted), what, len(_capture_log) - 1)
     return entry
+
+
+def _unpacked_up_front(collected) -> dict:
+    """How many tensors saved-tensor hooks unpacked when this backward started, and their
+    size: eager unpacks each when its node runs (a checkpointed region is recomputed then),
+    so these are alive together here, longer than in eager."""
+    tensors = [collected.lifted[i] for i in collected.unpacked]
+    nbytes = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in tensors}.values())
+    if tensors:
+        log.info("%d tensors (%.1f MB) unpacked by saved-tensor hooks when the backward started", len(tensors), nbytes / 2**20)
+    return dict(unpacked=len(tensors), unpacked_mb=nbytes / 2**20)
 
 
 def _static_fakes(tensors):
