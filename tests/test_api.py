@@ -292,3 +292,50 @@ def test_garbage_collector_paused_on_hits_only_and_restored():
         gc.enable()
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 2, 1)
+
+
+def test_inductor_mode_and_options_are_checked():
+    with pytest.raises(ValueError, match="need backend='inductor'"):
+        ca.enable(backend="eager", options={"max_autotune": True})
+    with pytest.raises(ValueError, match="both can't be specified"):
+        ca.enable(mode="max-autotune", options={"max_autotune": True})
+    with pytest.raises(ValueError, match="unknown mode"):
+        ca.enable(mode="fastest")
+    with pytest.raises(RuntimeError, match="unexpected inductor option"):
+        ca.enable(options={"no_such_option": 1})
+
+
+def test_inductor_options_apply_while_our_graphs_compile(monkeypatch):
+    # inductor itself is replaced by a stub that records the config it compiles under and runs
+    # the graph as is; the options key the cache: same options hit, other options capture anew
+    import torch._inductor.compile_fx as compile_fx_module
+    from torch._inductor import config as inductor_config
+
+    seen = []
+
+    def fake_compile_fx(wrapper, example_inputs):
+        seen.append((inductor_config.max_autotune, inductor_config.epilogue_fusion))
+        return lambda args: wrapper(*args)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", fake_compile_fx)
+    w = torch.randn(4, 3, requires_grad=True)
+    default = (inductor_config.max_autotune, inductor_config.epilogue_fusion)
+
+    def step(x, **kw):
+        w.grad = None
+        with ca.enable(background=False, **kw):
+            (x @ w).tanh().sum().backward()
+        got = w.grad.clone()
+        w.grad = None
+        (x @ w).tanh().sum().backward()
+        assert_grads_equal([got], [w.grad])
+
+    for x in (torch.randn(2, 4), torch.randn(2, 4)):  # the second is a hit
+        step(x, options={"max_autotune": True, "epilogue_fusion": not default[1]})
+    assert seen == [(True, not default[1])]
+    assert (inductor_config.max_autotune, inductor_config.epilogue_fusion) == default  # restored
+    step(torch.randn(2, 4), mode="max-autotune-no-cudagraphs")
+    step(torch.randn(2, 4))
+    assert seen[1:] == [(True, default[1]), default]
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (3, 1, 0), s

@@ -99,6 +99,8 @@ class enable(contextlib.ContextDecorator):
         dynamic: bool | None = None,
         background: bool | None = None,
         disk_cache: bool | None = None,
+        mode: str | None = None,
+        options: dict | None = None,
     ):
         self.config = Config(
             backend=backend,
@@ -107,6 +109,8 @@ class enable(contextlib.ContextDecorator):
             opaque=opaque,
             dynamic=dynamic,
             background=background,
+            mode=mode,
+            options=options or (),
             **({} if disk_cache is None else {"disk_cache": disk_cache}),
         )
         self._tokens: list = []

@@ -22,11 +22,16 @@ _lock = threading.RLock()
 
 
 def compile_graph(
-    backend: BackendLike, gm: torch.fx.GraphModule, example_inputs: Sequence, dynamic: bool = False
+    backend: BackendLike,
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence,
+    dynamic: bool = False,
+    patches: dict | None = None,
 ) -> Callable:
     # Compile as an inference graph: the backward graph is never differentiated
     # again (create_graph=True runs eagerly). One compile at a time: inductor
-    # is not thread-safe, and background compiles run in threads.
+    # is not thread-safe, and background compiles run in threads. `patches`:
+    # inductor config (enable(mode=..., options=...)), set for this compile only.
     with _lock, torch.no_grad():
         if backend == "eager":
             return gm
@@ -37,7 +42,11 @@ def compile_graph(
         if backend == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            with _size_class_agnostic_reductions() if dynamic else contextlib.nullcontext():
+            from torch._inductor import config as inductor_config
+
+            with inductor_config.patch(patches or {}), (
+                _size_class_agnostic_reductions() if dynamic else contextlib.nullcontext()
+            ):
                 return _compile_boxed(compile_fx, gm, example_inputs)
         return backend(gm, list(example_inputs))
 

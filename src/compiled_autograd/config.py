@@ -37,6 +37,11 @@ class Config:
     disk_cache: store captured static graphs on disk and load them in later
                processes instead of tracing (default on; the environment
                variable COMPILED_AUTOGRAD_DISK_CACHE=0 turns it off).
+    mode, options: inductor's, as in `torch.compile(mode=..., options=...)`
+               (e.g. mode="max-autotune-no-cudagraphs", options={"max_autotune":
+               True}); one or the other, only with backend="inductor". Applied
+               as inductor config patches while our graphs compile, and part of
+               the cache key.
     """
 
     backend: BackendLike = "inductor"
@@ -46,6 +51,8 @@ class Config:
     dynamic: bool | None = None
     background: bool | None = None
     disk_cache: bool = field(default_factory=lambda: os.environ.get("COMPILED_AUTOGRAD_DISK_CACHE", "1") != "0")
+    mode: str | None = None
+    options: tuple = ()  # sorted (name, value) pairs; a dict is accepted
 
     def __post_init__(self):
         if isinstance(self.backend, str) and self.backend not in BACKENDS:
@@ -56,8 +63,51 @@ class Config:
         if not isinstance(self.backend, str) and not callable(self.backend):
             raise TypeError(f"compiled_autograd: backend must be a str or callable, got {type(self.backend)}")
         object.__setattr__(self, "opaque", tuple(sorted(set(self.opaque))))
+        self._check_inductor_options()
         if self.cache_size_limit < 1:
             raise ValueError("compiled_autograd: cache_size_limit must be >= 1")
+
+    def _check_inductor_options(self) -> None:
+        options = self.options
+        if isinstance(options, dict):
+            options = tuple(sorted(options.items()))
+            object.__setattr__(self, "options", options)
+        if self.mode is None and not options:
+            return
+        if self.backend != "inductor":
+            raise ValueError("compiled_autograd: mode and options are inductor's: they need backend='inductor'")
+        if self.mode is not None and options:
+            raise ValueError(
+                "compiled_autograd: either mode or options can be specified, but both can't be specified at the same time"
+            )
+        from torch._inductor import config as inductor_config
+
+        if self.mode is not None:
+            from torch._inductor import list_mode_options
+
+            if self.mode not in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
+                raise ValueError(f"compiled_autograd: unknown mode {self.mode!r}")
+            options = tuple(sorted(list_mode_options(self.mode).items()))
+            object.__setattr__(self, "options", options)
+        known = inductor_config.get_config_copy()
+        for name, _ in options:
+            if name.replace("-", "_") not in known:
+                raise RuntimeError(f"compiled_autograd: unexpected inductor option {name!r}")
+
+    @property
+    def backend_label(self) -> str:
+        return self.backend_name + (f" (options {dict(self.options)})" if self.options else "")
+
+    @property
+    def backend_key(self):
+        """The backend as the cache key sees it: with its options, which change the compiled code."""
+        if not self.options:
+            return self.backend
+        return f"{self.backend} {self.options!r}"
+
+    @property
+    def inductor_patches(self) -> dict:
+        return {name.replace("-", "_"): value for name, value in self.options}
 
     @property
     def background_compile(self) -> bool:

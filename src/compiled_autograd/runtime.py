@@ -134,7 +134,7 @@ def _capture_and_compile(cfg: Config, collected, key, mask, reason: str, history
         fn = captured.graph  # replay the traced graph as is until the compiled one is ready
     else:
         with compile_status(what):
-            fn = compile_graph(cfg.backend, captured.graph, _example_inputs(captured, collected), dynamic=is_dynamic)
+            fn = compile_graph(cfg.backend, captured.graph, _example_inputs(captured, collected), dynamic=is_dynamic, patches=cfg.inductor_patches)
     t2 = time.perf_counter()
     nodes = tuple((n[0], n[1], n[7], _opaque_reason(captured.plan, i), n[5]) for i, n in enumerate(collected.capture.nodes()))
     entry = CompiledBackward(
@@ -159,7 +159,7 @@ def _capture_and_compile(cfg: Config, collected, key, mask, reason: str, history
         STATS.trace_seconds += t1 - t0
         STATS.compile_seconds += t2 - t1
     _capture_log.append(
-        dict(reason=reason, nodes=len(names), backend=cfg.backend_name, opaque=[o[1:] for o in captured.plan.opaque],
+        dict(reason=reason, nodes=len(names), backend=cfg.backend_label, opaque=[o[1:] for o in captured.plan.opaque],
              trace_seconds=t1 - t0, compile_seconds=t2 - t1, inputs=len(collected.lifted),
              dynamic=_describe_dynamic(collected, entry.dynamic), guards=entry.dynamic.guard_source if entry.dynamic else None,
              background=background, **_unpacked_up_front(collected))
@@ -182,7 +182,7 @@ def _entry_from_disk(cfg: Config, collected, key, record, reason: str) -> Compil
         fn = gm
     else:
         with compile_status(what):
-            fn = compile_graph(cfg.backend, gm, collected.lifted)
+            fn = compile_graph(cfg.backend, gm, collected.lifted, patches=cfg.inductor_patches)
     entry = CompiledBackward(
         fn=fn,
         graph=gm,
@@ -202,7 +202,7 @@ def _entry_from_disk(cfg: Config, collected, key, record, reason: str) -> Compil
         STATS.disk_hits += 1
         STATS.compile_seconds += entry.compile_seconds
     _capture_log.append(
-        dict(reason=entry.reason, nodes=len(entry.node_names), backend=cfg.backend_name, opaque=[o[1:] for o in entry.plan.opaque],
+        dict(reason=entry.reason, nodes=len(entry.node_names), backend=cfg.backend_label, opaque=[o[1:] for o in entry.plan.opaque],
              trace_seconds=0.0, compile_seconds=entry.compile_seconds, inputs=entry.num_inputs, dynamic=[], guards=None,
              background=background, **_unpacked_up_front(collected))
     )
@@ -269,7 +269,7 @@ def _compile_in_background(cfg: Config, key, entry: CompiledBackward, example, w
         t0 = time.perf_counter()
         try:
             with compile_status(what + " (in the background)"):
-                fn = compile_graph(cfg.backend, graph, example, dynamic=is_dynamic)
+                fn = compile_graph(cfg.backend, graph, example, dynamic=is_dynamic, patches=cfg.inductor_patches)
             dynamic = _dynamic(captured, entry.sizes) if is_dynamic else None
             done = dataclasses.replace(
                 entry, fn=fn, dynamic=dynamic, compiled=True, compile_seconds=time.perf_counter() - t0
@@ -509,7 +509,7 @@ def _run_backward(
         pause.resume()
         return _fall_back(cfg, f"collection error: {str(e).splitlines()[0][:120]}", eager, user_error=True)
 
-    key = (cfg.backend, _global_state(), cfg.opaque, collected.key)
+    key = (cfg.backend_key, _global_state(), cfg.opaque, collected.key)
     lifted = collected.lifted
     fam = CACHE.family(key)
     entry, extra = fam.lookup(collected.sizes, lifted) if fam is not None else (None, [])
