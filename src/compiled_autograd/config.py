@@ -7,6 +7,7 @@ Options are set with `ca.enable(...)` (a context manager) and read through
 from __future__ import annotations
 
 import contextvars
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Union
@@ -98,9 +99,10 @@ class Config:
     def backend_label(self) -> str:
         return self.backend_name + (f" (options {dict(self.options)})" if self.options else "")
 
-    @property
+    @functools.cached_property
     def backend_key(self):
-        """The backend as the cache key sees it: with its options, which change the compiled code."""
+        """The backend as the cache key sees it: with its options, which change the compiled code
+        (computed once: it is read on every backward)."""
         if not self.options:
             return self.backend
         return f"{self.backend} {self.options!r}"

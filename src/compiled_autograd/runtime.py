@@ -216,7 +216,13 @@ def _unpacked_up_front(collected) -> dict:
     size: eager unpacks each when its node runs (a checkpointed region is recomputed then),
     so these are alive together here, longer than in eager."""
     tensors = [collected.lifted[i] for i in collected.unpacked]
-    nbytes = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in tensors}.values())
+    storages = {}
+    for t in tensors:
+        try:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):  # no storage to count
+            pass
+    nbytes = sum(storages.values())
     if tensors:
         log.info("%d tensors (%.1f MB) unpacked by saved-tensor hooks when the backward started", len(tensors), nbytes / 2**20)
     return dict(unpacked=len(tensors), unpacked_mb=nbytes / 2**20)
