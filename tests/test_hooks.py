@@ -234,3 +234,19 @@ def test_ddp_reducer_cpp_hooks_run_in_the_graph():
         assert (s.captures, s.hits, s.eager_fallbacks) == (1, 2, 0)
     finally:
         dist.destroy_process_group()
+
+
+def test_hook_returning_a_tensor_it_keeps_is_not_overwritten_by_the_graph():
+    # inductor reuses a dead buffer in place (`buf3 = buf2; del buf2  # reuse`): a
+    # hook's result that something else still refers to must not become such a buffer
+    kept = torch.ones(16, 16)
+
+    def build(log, step):
+        x, w = leaf(16, 16), torch.randn(16, 16)
+        h = (x @ w).sin()
+        h.register_hook(lambda g: kept)
+        x.register_post_accumulate_grad_hook(lambda p: log.append(("kept", kept.clone())))
+        return (h * 3).sum(), [x]
+
+    observe(build, backend="inductor")
+    assert torch.equal(kept, torch.ones(16, 16))

@@ -12,13 +12,24 @@ run on real tensors in the middle of the compiled graph. Each such point is one
     needs no side table and every backend (aot_eager, inductor) can trace it.
   * the operator is registered as an ORDERED effect: no backend may reorder or
     drop it, so hooks observe what they would observe in eager.
-Outputs are contiguous and never alias the inputs (a custom op's contract); a
+Outputs are contiguous and owned by the graph (NOTE [Outputs the graph owns]); a
 real output whose metadata differs from what the graph was traced with raises
 instead of being misread by compiled code.
+
+NOTE [Outputs the graph owns]
+A compiler may treat an operator's outputs as its own buffers: inductor reuses
+a dead one in place (`buf3 = buf2; del buf2  # reuse`, then a kernel writes
+into buf3). What a hook or node returns may be memory someone else still
+holds: the hook's input, a tensor its closure keeps, a saved tensor, another
+view of a storage. Writing into it would change the user's tensor and, on the
+next backward, the gradients. So an output is handed to the graph as is only
+when nothing but the call's result refers to it (one Python reference, one
+TensorImpl reference, one tensor on its storage); otherwise it is copied.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Optional, Sequence
 
@@ -181,14 +192,18 @@ def _conform(kind, capture, node, mask, outs, args, metas, flags):
     gradients are defined. For an opaque node (flags=True) a missing grad
     becomes zeros and a False flag, so the graph knows it was undefined; a
     grad where none was expected goes nowhere (its edge is not in the graph)."""
-    outs = list(outs) + [None] * (len(mask) - len(outs))
+    # `outs` (the list the hook or node returned) is taken over: its entries are
+    # cleared as they are read, so that a private tensor has no reference left but ours
+    outs.extend([None] * (len(mask) - len(outs)))
     if kind != NODE and [o is not None for o in outs[: len(mask)]] != list(mask):
         raise RuntimeError(
             f"compiled_autograd: {kind.replace('_', ' ')} of {capture.node_name(node)} changed which "
             "gradients are None; the compiled graph cannot follow"
         )
     result, present = [], []
-    for o, (shape, dtype, device) in zip((o for o, m in zip(outs, mask) if m), metas):
+    positions = [i for i, m in enumerate(mask) if m]
+    for i, (shape, dtype, device) in zip(positions, metas):
+        o, outs[i] = outs[i], None
         if o is None:
             present.append(False)
             result.append(torch.zeros(shape, dtype=dtype, device=device))
@@ -201,7 +216,8 @@ def _conform(kind, capture, node, mask, outs, args, metas, flags):
                 f"{tuple(shape)}/{dtype}/{device}"
             )
         o = o.contiguous()
-        if any(a is not None and _aliases(o, a) for a in args):
+        # the references of a private tensor: `o` and getrefcount's argument
+        if sys.getrefcount(o) > 2 or not _sole_owner(o):
             o = o.clone()
         result.append(o)
     if flags:
@@ -209,8 +225,13 @@ def _conform(kind, capture, node, mask, outs, args, metas, flags):
     return result
 
 
-def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
-    try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.numel() > 0
-    except Exception:
+def _sole_owner(t: torch.Tensor) -> bool:
+    """Whether t's TensorImpl and storage are referenced by t alone (no other
+    at::Tensor, view, saved variable or detached alias)."""
+    if t._use_count() != 1:
         return False
+    try:
+        storage = t.untyped_storage()
+    except Exception:  # no storage to share (a subclass, a meta tensor)
+        return False
+    return torch._C._storage_Use_Count(storage._cdata) == 2  # t's and `storage`'s
