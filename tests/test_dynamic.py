@@ -208,3 +208,34 @@ def test_index_identities_dropped_only_where_provable():
             for pt in itertools.product(*(range(r) for r in rs.values())):
                 vals = {**dict(zip(rs, pt)), b: bv}
                 assert value(out, vals) == value(expr, vals), (expr, out, vals)
+
+
+class Checkpointed(nn.Module):
+    """Each block recomputed in the backward (NOTE [Unpacking in the graph])."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(3))
+
+    def forward(self, x):
+        import torch.utils.checkpoint as checkpoint
+
+        for b in self.blocks:
+            x = checkpoint.checkpoint(b, x, use_reentrant=False)
+        return x
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_checkpointed_blocks_many_batch_sizes_two_captures(backend):
+    # the shapes of the tensors unpacked in the graph become symbols like any other size
+    shapes = [(b, 16) for b in [7] + shuffled(7, 3, 64, seed=1)]
+    s = stream(Checkpointed(), shapes, backend)
+    assert (s.captures, s.dynamic_captures) == (2, 1)
+    assert s.hits == len(shapes) - 2
+    report = ca.explain()
+    # the first block's input needs no grad: its weight is not saved (3 * 5 - 1)
+    assert "saved-tensor hooks: 14 tensors unpacked in the graph" in report
+    from compiled_autograd.runtime import capture_log
+
+    assert "unpacked#0.shape[0]" in capture_log()[1]["dynamic"]  # their shapes are symbolic

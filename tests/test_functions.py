@@ -1,5 +1,7 @@
 """Custom autograd.Functions, saved-tensor hooks, checkpointing, in-place views."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -7,6 +9,7 @@ import torch.utils.checkpoint as checkpoint
 from torch.autograd.function import once_differentiable
 
 import compiled_autograd as ca
+from helpers import assert_grads_equal, grads_of
 from test_hooks import leaf, observe
 
 
@@ -250,6 +253,31 @@ def test_saved_tensors_hooks():
         return y, [x]
 
     observe(build)
+    # what a user's hook returns is not known before it runs: unpacked up front
+    assert "saved-tensor hooks: 3 tensors (0.0 MB) unpacked when the backward started" in ca.explain()
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_checkpointed_region_is_recomputed_when_the_backward_reaches_it(backend):
+    # NOTE [Unpacking in the graph]: the recompute runs at the region's first node, after
+    # the hooks of the nodes before it, as in eager; not when the backward starts
+    def build(log, step):
+        x, w = leaf(4, 8), leaf(8, 8)
+
+        def block(h):
+            log.append("recompute" if torch._C._current_graph_task_id() != -1 else "forward")
+            return (h @ w).tanh() @ w
+
+        h = x.sin()
+        y = checkpoint.checkpoint(block, h, use_reentrant=False)
+        z = checkpoint.checkpoint(block, y, use_reentrant=False)
+        y.register_hook(lambda g: log.append("y's grad") or g)
+        z.register_hook(lambda g: log.append("z's grad") or g)
+        return z.pow(2).sum(), [x, w]
+
+    runs = observe(build, backend=backend)
+    assert runs[-1][1] == ["forward", "forward", "z's grad", "recompute", "y's grad", "recompute"]
+    assert "saved-tensor hooks: 10 tensors unpacked in the graph" in ca.explain()
 
 
 def test_save_on_cpu():
@@ -260,6 +288,55 @@ def test_save_on_cpu():
         return y, [x, w]
 
     observe(build)
+    # x and w (for x @ w), the tanh's output
+    assert "saved-tensor hooks: 3 tensors unpacked in the graph" in ca.explain()
+
+
+def test_checkpoint_without_its_determinism_check_is_unpacked_up_front():
+    # without the recorded metadata, what the recomputation returns is not known beforehand
+    def build(log, step):
+        x, w = leaf(2, 4), leaf(4, 4)
+        y = checkpoint.checkpoint(lambda a: (a @ w).relu(), x, use_reentrant=False, determinism_check="none")
+        return y.pow(2).sum(), [x, w]
+
+    observe(build)
+    assert "saved-tensor hooks: 3 tensors (0.0 MB) unpacked when the backward started" in ca.explain()
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_checkpoint_with_retain_graph_recomputes_for_each_backward(backend):
+    calls = []
+
+    def block(a, w):
+        calls.append(1)
+        return (a @ w).tanh() @ w
+
+    x, w = leaf(4, 8), leaf(8, 8)
+    for step in range(2):  # one cache entry, two inputs
+        with torch.no_grad():
+            x.copy_(torch.randn(4, 8))
+        grads = []
+        for compiled in (False, True):
+            x.grad = w.grad = None
+            loss = checkpoint.checkpoint(block, x, w, use_reentrant=False).pow(2).sum()
+            with ca.enable(backend, fullgraph=True) if compiled else contextlib.nullcontext():
+                loss.backward(retain_graph=True)
+                loss.backward()
+            grads.append(grads_of([x, w]))
+        assert_grads_equal(grads[1], grads[0], what=f"step {step}")
+    assert len(calls) == 2 * 2 * 3  # steps x (eager, compiled) x (forward, two recomputes)
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 3, 0)
+
+
+def test_checkpointed_node_marked_opaque_unpacks_by_itself():
+    # an opaque node runs its own apply, which calls the unpack hook: no unpack call for it
+    def build(log, step):
+        x, w = leaf(2, 4), leaf(4, 4)
+        y = checkpoint.checkpoint(lambda a: (a @ w).exp() @ w, x, use_reentrant=False)
+        return y.pow(2).sum(), [x, w]
+
+    observe(build, n_opaque=1, opaque=("ExpBackward0",))
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
@@ -283,9 +360,9 @@ def test_checkpoint_recomputes_during_backward(use_reentrant):
         observe(build, n_opaque=1, captures=2, hits=2)
     else:
         observe(build)
-        # the recompute happens when the backward starts, and explain() says so: x and w (for
-        # x @ w), the relu's output (for relu), the relu's output and w.t() (for ... @ w.t())
-        assert "saved-tensor hooks: 5 tensors (0.0 MB) unpacked when the backward started" in ca.explain()
+        # unpacked in the graph, each when its node runs: x and w (for x @ w), the relu's
+        # output (for relu), the relu's output and w.t() (for ... @ w.t())
+        assert "saved-tensor hooks: 5 tensors unpacked in the graph" in ca.explain()
     # every backward (eager and compiled, 2 steps) re-ran the block once
     assert len(calls) - n_before == 2 * 2 * 2  # 2 steps x (eager, compiled) x (forward, recompute)
 

@@ -91,3 +91,53 @@ def test_retain_graph_keeps_saved_tensors_for_the_next_backward():
                 loss.backward()
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 3, 0)  # the freed-graph errors are raised as eager raises them
+
+
+def _checkpointed_blocks():
+    torch.manual_seed(0)
+    return nn.ModuleList(nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)) for _ in range(6))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_checkpointing_saves_memory_as_in_eager(backend):
+    # NOTE [Unpacking in the graph]: a checkpointed region is recomputed when the backward
+    # reaches it, and its activations are freed as its nodes finish. Unpacking every hooked
+    # tensor up front held all regions' activations at once: 3.7x eager's peak on this model.
+    import sys
+    from pathlib import Path
+
+    import torch.utils.checkpoint as checkpoint
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.worker import tensor_peak_mb
+
+    blocks = _checkpointed_blocks()
+    params = list(blocks.parameters())
+
+    def step(x, compiled):
+        for p in params:
+            p.grad = None
+        h = x
+        for b in blocks:
+            h = checkpoint.checkpoint(b, h, use_reentrant=False)
+        loss = h.pow(2).mean()
+        if compiled:
+            with ca.enable(backend, background=False, fullgraph=True):
+                loss.backward()
+        else:
+            loss.backward()
+
+    peaks = {}
+    for i in range(3):  # capture, then two hits with new inputs
+        x = torch.randn(2048, 256, requires_grad=True)
+        for compiled in (False, True):
+            peaks[compiled] = tensor_peak_mb(lambda: step(x, compiled))
+            grads = grads_of(params + [x])
+            x.grad = None
+            if compiled:
+                assert_grads_equal(grads, want, rtol=1e-4, atol=1e-5, what=f"step {i}")
+            want = grads
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 2, 0)
+    # the last hit: the peak of a training step, forward and backward
+    assert peaks[True] <= 1.1 * peaks[False], peaks

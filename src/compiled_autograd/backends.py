@@ -9,6 +9,7 @@ returning the list of graph outputs.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import operator
 import threading
@@ -34,7 +35,7 @@ def compile_graph(
     # inductor config (enable(mode=..., options=...)), set for this compile only.
     with _lock, torch.no_grad():
         if backend == "eager":
-            return gm
+            return _boxed_graph_module(gm)
         if backend == "aot_eager":
             from torch._dynamo.backends.debugging import aot_eager
 
@@ -65,6 +66,20 @@ def compile_graph(
 # compiled code then drops each input after its last use, and the backward's
 # memory falls as it runs, like eager's. Callables marked BOXED take the list.
 BOXED = "_compiled_autograd_boxed"
+
+
+def _boxed_graph_module(gm: torch.fx.GraphModule) -> Callable:
+    """The FX graph itself, run with the boxed calling convention (a copy of
+    `gm`: the captured graph keeps its readable signature for dump())."""
+    try:
+        from torch.fx.graph import _BoxedCodeGen
+    except ImportError:  # pragma: no cover - other torch versions
+        return gm
+    graph = copy.deepcopy(gm.graph)
+    graph.set_codegen(_BoxedCodeGen())
+    boxed = torch.fx.GraphModule(gm, graph)
+    setattr(boxed, BOXED, True)
+    return boxed
 
 
 def _as_is(flat_args):

@@ -6,14 +6,35 @@ node. This module adds what only Python can see:
     materialize flags, every non-tensor ctx attribute by value, tensors saved
     with save_for_backward or stored on ctx (lifted). A ctx attribute we cannot
     key by value makes that node opaque (it runs as is, inside the graph).
-  * saved tensors that carry saved_tensors_hooks (save_on_cpu, non-reentrant
-    checkpointing): their unpack hooks run now, during this backward, and the
-    unpacked tensors are lifted.
+  * saved tensors that carry saved_tensors_hooks: unpacked inside the graph,
+    at the node that uses them, when what the hook will return is known
+    beforehand (NOTE [Unpacking in the graph]); otherwise their unpack hooks run
+    now, when the backward starts, and the unpacked tensors are lifted.
+
+NOTE [Unpacking in the graph]
+Eager unpacks a saved tensor when its node runs: non-reentrant checkpointing
+recomputes a region's activations when the backward reaches the region, and
+they are freed as the region's nodes finish. Unpacking every hooked tensor when
+the backward starts would hold all regions' activations at once: no memory
+saved. So a hooked tensor becomes a `compiled_autograd::call(UNPACK)` at its
+node's position in the graph (the native tracer asks for it when the node's
+formula unpacks it). The graph must be traced before the hook runs, and a cache
+hit decided without running it, so this needs the unpacked tensor's shape,
+dtype and device from what was packed, exactly:
+  * torch.utils.checkpoint (non-reentrant, default determinism check): the
+    checkpoint records each packed tensor's shape, dtype and device, and its
+    recomputation raises if a recomputed tensor differs from them;
+  * save_on_cpu: it returns the packed CPU tensor moved to the recorded device.
+Those predictions are part of the key (shapes in the sizes vector, so a
+dynamic graph can make them symbolic). Any other hook is unpacked up front, as
+before. At replay the call checks what the hook returned against the
+prediction, and raises rather than misread a tensor.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,8 +71,20 @@ class Collected:
     n_size_inputs: int
     lifted: list
     n_native: int
-    unpacked: tuple  # lifted index of each tensor unpacked from a saved-tensor hook
+    unpacked: tuple  # per hooked saved tensor: its lifted index, or -1 when unpacked in the graph
     pynodes: dict = field(default_factory=dict)
+    hooks: list = field(default_factory=list)  # (unpack_hook, packed) per hooked saved tensor
+    in_graph: tuple = ()  # (hooked tensor id, dtype, device, dim) of those unpacked in the graph
+
+    @property
+    def in_graph_start(self) -> int:
+        """Where the shapes of the tensors unpacked in the graph start in `sizes` (they end it)."""
+        return len(self.sizes) - sum(dim for _, _, _, dim in self.in_graph)
+
+    @property
+    def up_front(self) -> list:
+        """The lifted index of every tensor unpacked when the backward started."""
+        return [i for i in self.unpacked if i >= 0]
 
 
 def layout_signature(t: torch.Tensor):
@@ -162,7 +195,7 @@ def _collect_pynode(capture, idx: int, lift: _Lifter) -> tuple[tuple, PyNodeInfo
 
 
 def collect(capture) -> Collected:
-    saved_hooks = capture.saved_hooks()
+    saved_hooks = capture.take_saved_hooks()
     pynode_indices = capture.pynode_indices()
     if not saved_hooks and not pynode_indices:
         lifted = capture.lifted()
@@ -184,15 +217,25 @@ def _collect_python(capture, saved_hooks, pynode_indices) -> Collected:
     lifted = list(capture.lifted())
     n_native = len(lifted)
     lift = _Lifter(lifted)
-    unpacked = tuple(lift(_unpack(hook, packed)) for hook, packed in saved_hooks)
+    predict = _Predictor()
+    unpacked, in_graph, shapes = [], [], []
+    for i, (hook, packed) in enumerate(saved_hooks):
+        meta = predict(hook, packed)
+        if meta is None:
+            unpacked.append(lift(unpack(hook, packed)))
+        else:
+            shape, dtype, device = meta
+            unpacked.append(-1)
+            in_graph.append((i, dtype, device, len(shape)))
+            shapes.extend(shape)
     pykeys = []
     pynodes = {}
     for idx in pynode_indices:
         k, info = _collect_pynode(capture, idx, lift)
         pykeys.append((idx, k))
         pynodes[idx] = info
-    key = (capture.key(), tuple(pykeys), len(unpacked), tuple(lift.extra_keys))
-    sizes = tuple(capture.sizes()) + tuple(d for t in lifted[n_native:] for d in geometry(t))
+    key = (capture.key(), tuple(pykeys), tuple(unpacked), tuple(in_graph), tuple(lift.extra_keys))
+    sizes = tuple(capture.sizes()) + tuple(d for t in lifted[n_native:] for d in geometry(t)) + tuple(shapes)
     return Collected(
         capture=capture,
         key=key,
@@ -200,12 +243,80 @@ def _collect_python(capture, saved_hooks, pynode_indices) -> Collected:
         n_size_inputs=capture.num_size_inputs(),
         lifted=lifted,
         n_native=n_native,
-        unpacked=unpacked,
+        unpacked=tuple(unpacked),
         pynodes=pynodes,
+        hooks=list(saved_hooks) if in_graph else [],
+        in_graph=tuple(in_graph),
     )
 
 
-def _unpack(hook, packed):
+def _nested_code(fn, name: str):
+    for c in fn.__code__.co_consts:
+        if isinstance(c, types.CodeType) and c.co_name == name:
+            return c
+    return None
+
+
+def _closure(fn) -> dict:
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+
+
+@functools.cache
+def _known_unpack_hooks():
+    """The code objects of checkpoint's and save_on_cpu's unpack hooks."""
+    import torch.utils.checkpoint as ckpt
+
+    return (
+        _nested_code(ckpt._checkpoint_hook.__init__, "unpack_hook"),
+        _nested_code(torch.autograd.graph.save_on_cpu.__init__, "unpack_from_cpu"),
+    )
+
+
+class _Predictor:
+    """What an unpack hook will return, (shape, dtype, device), for the hooks
+    whose result is known from what was packed (NOTE [Unpacking in the graph]);
+    None for any other."""
+
+    def __init__(self):
+        import torch.utils.checkpoint as ckpt
+
+        self._ckpt = ckpt
+        self._ckpt_unpack, self._cpu_unpack = _known_unpack_hooks()
+        self._holders: dict[int, dict] = {}  # id(checkpoint frame) -> {id(holder): position}
+
+    def __call__(self, hook, packed):
+        code = getattr(hook, "__code__", None)
+        if code is None:
+            return None
+        try:
+            if code is self._ckpt_unpack:
+                return self._checkpointed(_closure(hook)["frame"], packed)
+            if code is self._cpu_unpack:
+                device, t = packed
+                if isinstance(device, torch.device) and type(t) is torch.Tensor and t.layout == torch.strided:
+                    return tuple(t.shape), t.dtype, device
+        except (KeyError, AttributeError, TypeError, ValueError):  # another torch's internals
+            return None
+        return None
+
+    def _checkpointed(self, frame, holder):
+        # the recomputation raises unless each recomputed tensor has the shape,
+        # dtype and device recorded here when it was packed (the default check)
+        if frame.metadata_fn is not getattr(self._ckpt, "_default_meta_extractor", None) or frame.ignore_saved_mismatch:
+            return None
+        index = self._holders.get(id(frame))
+        if index is None:
+            index = self._holders[id(frame)] = {id(r()): i for i, r in enumerate(frame.weak_holders)}
+        i = index.get(id(holder))
+        if i is None or i >= len(frame.x_metadatas):
+            return None
+        meta = frame.x_metadatas[i]
+        if not isinstance(meta, dict) or not isinstance(meta.get("device"), torch.device):
+            return None
+        return tuple(meta["shape"]), meta["dtype"], meta["device"]
+
+
+def unpack(hook, packed):
     t = hook(packed)
     if not isinstance(t, torch.Tensor):
         raise TypeError(

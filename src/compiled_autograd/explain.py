@@ -25,11 +25,16 @@ def explain() -> str:
         )
         for name, why in c.get("opaque", ()):
             lines.append(f"    opaque: {name}: {why}")
+        if c.get("in_graph"):
+            lines.append(
+                f"    saved-tensor hooks: {c['in_graph']} tensors unpacked in the graph, each when its node runs "
+                "(as in eager)"
+            )
         if c.get("unpacked"):
             lines.append(
                 f"    saved-tensor hooks: {c['unpacked']} tensors ({c['unpacked_mb']:.1f} MB) unpacked when the backward "
-                "started (eager unpacks each when its node runs; checkpointed regions are recomputed up front, "
-                "so their activations are alive together)"
+                "started (eager unpacks each when its node runs; only checkpoint's and save_on_cpu's results are "
+                "known before they run, so these are alive together)"
             )
         if c.get("dynamic"):
             shown = ", ".join(c["dynamic"][:12]) + (" ..." if len(c["dynamic"]) > 12 else "")
@@ -82,7 +87,10 @@ def _describe_entry(e) -> str:
         lines.append(f"symbolic size positions: {list(e.dynamic.symbolic)}")
         lines.append(f"guards: {e.dynamic.guard_source}")
     for kind, node, mask in e.plan.slots:
-        lines.append(f"opaque call: {kind} of node #{node} {e.node_names[node]}")
+        if kind == "unpack":
+            lines.append(f"opaque call: unpack hook of hooked saved tensor #{node}")
+        else:
+            lines.append(f"opaque call: {kind} of node #{node} {e.node_names[node]}")
     return "\n".join(lines) + "\n"
 
 

@@ -60,11 +60,12 @@ PRE_HOOKS = "pre_hooks"
 POST_HOOKS = "post_hooks"
 NODE = "node"
 ACCUMULATE = "accumulate"
+UNPACK = "unpack"  # a saved tensor's unpack hook (collect.py, NOTE [Unpacking in the graph])
 
 
 class _Replay(threading.local):
     def __init__(self):
-        self.stack: list = []  # (capture, slots) of the backwards running on this thread
+        self.stack: list = []  # (capture, slots, autograd keys excluded, hooks) of the backwards running on this thread
 
 
 _replay = _Replay()
@@ -93,8 +94,9 @@ def _set_excluded(flags):
 class replaying:
     """Context of one compiled graph run: where its slots resolve."""
 
-    def __init__(self, capture, slots):
-        self.frame = (capture, slots, _excluded())
+    def __init__(self, capture, slots, hooks=()):
+        # hooks: (unpack_hook, packed) per hooked saved tensor, for UNPACK slots
+        self.frame = (capture, slots, _excluded(), hooks)
 
     def __enter__(self):
         _replay.stack.append(self.frame)
@@ -113,18 +115,28 @@ def call(
     devices: list[int],
     flags: bool,
 ) -> list[torch.Tensor]:
-    capture, slots, outside = _replay.stack[-1]
+    capture, slots, outside, hooks = _replay.stack[-1]
     kind, node, mask = slots[slot]
     inside = _excluded()
     _set_excluded(outside)
     try:
-        return _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, flags)
+        return _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, flags, hooks)
     finally:
         _set_excluded(inside)
 
 
-def _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, flags):
-    if kind == TENSOR_PRE_HOOKS:
+def _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, flags, hooks):
+    if kind == UNPACK:
+        from .collect import unpack
+
+        pair, hooks[node] = hooks[node], None  # unpacked once, as eager does: the packed value can go
+        if pair is None:
+            raise RuntimeError("compiled_autograd: a saved tensor was unpacked twice by one graph")
+        hook, packed = pair
+        del pair
+        outs = [unpack(hook, packed)]
+        del hook, packed
+    elif kind == TENSOR_PRE_HOOKS:
         outs = capture.call_tensor_pre_hooks(node, args)
     elif kind == PRE_HOOKS:
         outs = capture.call_pre_hooks(node, args)
@@ -195,7 +207,7 @@ def _conform(kind, capture, node, mask, outs, args, metas, flags):
     # `outs` (the list the hook or node returned) is taken over: its entries are
     # cleared as they are read, so that a private tensor has no reference left but ours
     outs.extend([None] * (len(mask) - len(outs)))
-    if kind != NODE and [o is not None for o in outs[: len(mask)]] != list(mask):
+    if kind not in (NODE, UNPACK) and [o is not None for o in outs[: len(mask)]] != list(mask):
         raise RuntimeError(
             f"compiled_autograd: {kind.replace('_', ' ')} of {capture.node_name(node)} changed which "
             "gradients are None; the compiled graph cannot follow"
@@ -210,10 +222,10 @@ def _conform(kind, capture, node, mask, outs, args, metas, flags):
             continue
         present.append(True)
         if list(o.shape) != shape or o.dtype != dtype or o.device != device:
+            what = "the unpack hook of a saved tensor" if kind == UNPACK else f"{kind.replace('_', ' ')} of {capture.node_name(node)}"
             raise RuntimeError(
-                f"compiled_autograd: {kind.replace('_', ' ')} of {capture.node_name(node)} returned a "
-                f"gradient of {tuple(o.shape)}/{o.dtype}/{o.device} where the graph was traced with "
-                f"{tuple(shape)}/{dtype}/{device}"
+                f"compiled_autograd: {what} returned a tensor of {tuple(o.shape)}/{o.dtype}/{o.device} "
+                f"where the graph was traced with {tuple(shape)}/{dtype}/{device}"
             )
         o = o.contiguous()
         # the references of a private tensor: `o` and getrefcount's argument

@@ -213,9 +213,9 @@ def _entry_from_disk(cfg: Config, collected, key, record, reason: str) -> Compil
 
 def _unpacked_up_front(collected) -> dict:
     """How many tensors saved-tensor hooks unpacked when this backward started, and their
-    size: eager unpacks each when its node runs (a checkpointed region is recomputed then),
-    so these are alive together here, longer than in eager."""
-    tensors = [collected.lifted[i] for i in collected.unpacked]
+    size: eager unpacks each when its node runs, so these are alive together here, longer
+    than in eager; and how many are unpacked in the graph instead (NOTE [Unpacking in the graph])."""
+    tensors = [collected.lifted[i] for i in collected.up_front]
     storages = {}
     for t in tensors:
         try:
@@ -225,7 +225,7 @@ def _unpacked_up_front(collected) -> dict:
     nbytes = sum(storages.values())
     if tensors:
         log.info("%d tensors (%.1f MB) unpacked by saved-tensor hooks when the backward started", len(tensors), nbytes / 2**20)
-    return dict(unpacked=len(tensors), unpacked_mb=nbytes / 2**20)
+    return dict(unpacked=len(tensors), unpacked_mb=nbytes / 2**20, in_graph=len(collected.in_graph))
 
 
 def _static_fakes(tensors):
@@ -405,8 +405,12 @@ def _describe_dynamic(collected, dynamic) -> list[str]:
     if dynamic is None:
         return []
     starts = [(n[10], n[0]) for n in collected.capture.nodes()]
+    in_graph = [f"unpacked#{hid}.shape[{d}]" for hid, _, _, dim in collected.in_graph for d in range(dim)]
     out = []
     for i in dynamic.symbolic:
+        if i >= collected.in_graph_start:
+            out.append(in_graph[i - collected.in_graph_start])
+            continue
         if i < collected.n_size_inputs:
             owner = max((s for s in starts if s[0] <= i), default=(0, "?"), key=lambda s: s[0])[1]
             out.append(f"{owner} size#{i}")
@@ -421,11 +425,11 @@ def _describe_dynamic(collected, dynamic) -> list[str]:
     return out
 
 
-def _replay(entry: CompiledBackward, capture, lifted, extra):
+def _replay(entry: CompiledBackward, capture, lifted, extra, hooks):
     args = list(lifted) + extra if extra else lifted
 
     def run():
-        with ops.replaying(capture, entry.plan.slots), torch.no_grad():
+        with ops.replaying(capture, entry.plan.slots, hooks), torch.no_grad():
             return list(entry(args))
 
     if entry.plan.slots:
@@ -539,7 +543,7 @@ def _run_backward(
                     log.info("dynamic capture failed, capturing static shapes", exc_info=True)
                     entry = _capture_and_compile(cfg, collected, key, None, reason + "; dynamic capture failed")
             extra = entry.dynamic.extra_args(collected.sizes) if entry.dynamic else []
-            results = _replay(entry, capture, lifted, extra)
+            results = _replay(entry, capture, lifted, extra, collected.hooks)
             CACHE.family(key, create=True).add(entry)  # only graphs that ran
             CACHE.evict(cfg.cache_size_limit)
             if pkey is not None and entry.dynamic is None:
@@ -547,18 +551,19 @@ def _run_backward(
         else:
             with LOCK:
                 STATS.hits += 1
-            if not keep_graph and not entry.plan.slots and getattr(entry.fn, BOXED, False):
+            if not keep_graph and not entry.plan.reads_nodes and getattr(entry.fn, BOXED, False):
                 # NOTE [Boxed graphs free their inputs]: the graph gets the only
                 # references to the saved tensors, and frees each after its last
-                # use. No opaque call needs the nodes' saved variables.
+                # use. No opaque call needs the nodes' saved variables (an
+                # unpack hook's packed value is held by `collected.hooks`).
                 args = lifted + extra
                 lifted.clear()
                 capture.drop_lifted()
                 capture.release()
                 released = True
-                results = _replay(entry, capture, args, [])
+                results = _replay(entry, capture, args, [], collected.hooks)
             else:
-                results = _replay(entry, capture, lifted, extra)
+                results = _replay(entry, capture, lifted, extra, collected.hooks)
     except Exception as e:
         if released or (entry is not None and entry.plan.slots):
             # opaque calls (hooks, nodes) may have run, or the saved tensors are

@@ -56,6 +56,12 @@ class Plan:
     opaque: tuple  # (node index, node name, reason)
     num_results: int
 
+    @property
+    def reads_nodes(self) -> bool:
+        """Whether an opaque call reads the autograd nodes (hooks, saved
+        variables) while the graph runs; unpacking a hooked saved tensor does not."""
+        return any(kind != ops.UNPACK for kind, _, _ in self.slots)
+
 
 class NeedsOpaque(Exception):
     def __init__(self, idx: int, reason: str):
@@ -170,14 +176,33 @@ class _BackwardTracer:
         c, capture = self.c, self.capture
         n = len(c.lifted)
         sym = [None] * c.n_size_inputs
+        dims = list(c.sizes[c.in_graph_start :])  # shapes of the tensors unpacked in the graph
         for j, s in zip(self.size_inputs, args[n:]):
-            sym[j] = s
+            if j < c.n_size_inputs:
+                sym[j] = s
+            else:
+                dims[j - c.in_graph_start] = s
         self.sym_sizes = sym
-        capture.begin_trace(list(args[: c.n_native]), [args[i] for i in c.unpacked], sym)
+        self.in_graph_metas = {}
+        self.node_inputs: list = []  # the grads entering the node being traced
+        for hid, dtype, device, dim in c.in_graph:
+            self.in_graph_metas[hid] = (dims[:dim], dtype, device)
+            dims = dims[dim:]
+        unpacked = [args[i] if i >= 0 else None for i in c.unpacked]
+        capture.begin_trace(list(args[: c.n_native]), unpacked, self._unpack_in_graph, sym)
         try:
             return self._run(args)
         finally:
             capture.end_trace()
+
+    def _unpack_in_graph(self, hid: int):
+        """The native tracer asks for hooked saved tensor `hid` (NOTE [Unpacking in the graph]).
+        The node's incoming grads are the call's inputs, unused: a compiler may move a call
+        with no inputs to the start of the graph (inductor does), which would unpack, and
+        recompute, everything up front again."""
+        after = [t for t in self.node_inputs if t is not None]
+        (t,), _ = self._call(ops.UNPACK, hid, after, [self.in_graph_metas[hid]])
+        return t
 
     def _run(self, args):
         capture = self.capture
@@ -250,6 +275,7 @@ class _BackwardTracer:
         if kind == PYNODE_KIND:
             return self._pynode(idx, tensors, args)
         try:
+            self.node_inputs = tensors
             return self.capture.apply_node(idx, tensors)
         except Exception as e:
             # a formula that cannot run on fake tensors (data-dependent output
@@ -436,11 +462,16 @@ def _size_classes(collected: Collected, mask, history) -> dict[str, Any]:
         if with_strides:
             names += [TensorPropertySource(base, TensorProperty.STRIDE, d).name for d in range(dim)]
         names.append(TensorPropertySource(base, TensorProperty.STORAGE_OFFSET).name)
+    names += _in_graph_names(collected)
     assert len(names) == len(sizes), (len(names), len(sizes))
     history = [h for h in history if len(h) == len(sizes)]
     return {
         name: ((sizes[p],) + tuple(h[p] for h in history) if mask[p] else None) for p, name in enumerate(names)
     }
+
+
+def _in_graph_names(collected: Collected) -> list[str]:
+    return [LocalSource(f"unpacked{hid}_{d}").name for hid, _, _, dim in collected.in_graph for d in range(dim)]
 
 
 def fake_inputs(collected: Collected, mask, history=()):
@@ -468,10 +499,13 @@ def fake_inputs(collected: Collected, mask, history=()):
         for k, g in enumerate(geo):
             real_mask[start + k] = isinstance(g, torch.SymInt)
         fakes.append(f)
+    # the node sizes, and the shapes of the tensors unpacked in the graph: ints passed in
+    sources = [(j, LocalSource(f"size{j}")) for j in range(n_si)]
+    sources += [(collected.in_graph_start + k, LocalSource(name)) for k, name in enumerate(_in_graph_names(collected))]
     symints, size_inputs = [], []
-    for j in range(n_si):
+    for j, source in sources:
         if mask and mask[j]:
-            v = shape_env.create_unspecified_symint_and_symbol(sizes[j], LocalSource(f"size{j}"), DimDynamic.DYNAMIC)
+            v = shape_env.create_unspecified_symint_and_symbol(sizes[j], source, DimDynamic.DYNAMIC)
             if isinstance(v, torch.SymInt):
                 symints.append(v)
                 size_inputs.append(j)

@@ -223,7 +223,10 @@ static variable_list call_torch_functional(
 // and apply_node raises it once the node has restored its state.
 struct TraceInterface : public cad::PyCompilerInterface {
   mutable std::string error;
-  const std::vector<at::Tensor>* unpacked = nullptr; // proxies of unpacked saved tensors
+  // proxies of the saved tensors unpacked before the trace; an undefined one is
+  // unpacked in the graph: `unpack_in_graph(hook_input_id)` emits that call
+  const std::vector<at::Tensor>* unpacked = nullptr;
+  const py::object* unpack_in_graph = nullptr;
 
   std::string bind_function(
       PyObject* /*py_compiler*/,
@@ -300,7 +303,16 @@ struct TraceInterface : public cad::PyCompilerInterface {
       error = "saved tensor unpacked by a hook was not collected";
       return at::Tensor();
     }
-    return (*unpacked)[hook_input_id];
+    const at::Tensor& proxy = (*unpacked)[hook_input_id];
+    if (proxy.defined()) {
+      return proxy;
+    }
+    try {
+      return py::cast<at::Tensor>((*unpack_in_graph)(hook_input_id));
+    } catch (const std::exception& e) {
+      error = e.what();
+      return at::Tensor();
+    }
   }
 };
 
@@ -506,7 +518,9 @@ class GraphCapture {
 
   // Python objects stored with saved tensors that carry saved_tensors_hooks:
   // [(unpack_hook, packed)] in the order apply_with_saved will ask for them.
-  py::list saved_hooks() const {
+  // Handed over: we keep no reference, so that each is freed once unpacked (a
+  // checkpoint's hook holds its region's inputs) rather than with the capture.
+  py::list take_saved_hooks() {
     py::list out;
     auto* interp = getPyInterpreter();
     std::vector<std::pair<size_t, size_t>> pairs;
@@ -519,6 +533,8 @@ class GraphCapture {
           py::reinterpret_borrow<py::object>(call_.hooks.at(hook_id).ptr(interp)),
           py::reinterpret_borrow<py::object>(call_.packed_inputs.at(input_id).ptr(interp))));
     }
+    call_.hooks.clear(); // only saved variables' hooks are collected into these
+    call_.packed_inputs.clear();
     return out;
   }
 
@@ -560,14 +576,16 @@ class GraphCapture {
 
   void begin_trace(
       const std::vector<at::Tensor>& proxies,
-      const std::vector<at::Tensor>& unpacked_proxies,
+      const std::vector<std::optional<at::Tensor>>& unpacked_proxies,
+      py::object unpack_in_graph,
       const std::vector<std::optional<c10::SymInt>>& sym_sizes) {
     auto& args = call_.tensor_args;
     TORCH_CHECK(proxies.size() == args.inputs.size(), "proxy count mismatch");
     for (size_t i = 0; i < proxies.size(); ++i) {
       args.lookup(args.inputs[i]).proxy_tensor = proxies[i];
     }
-    unpacked_proxies_ = unpacked_proxies;
+    unpacked_proxies_ = to_variables(unpacked_proxies);
+    unpack_in_graph_ = std::move(unpack_in_graph);
     TORCH_CHECK(sym_sizes.size() == call_.all_size_inputs.size(), "size count mismatch");
     state_ = std::make_unique<cad::TraceState>(
         std::vector<std::optional<c10::SymInt>>(sym_sizes), 0);
@@ -622,6 +640,7 @@ class GraphCapture {
     auto iface_owned = std::make_unique<TraceInterface>();
     TraceInterface* iface = iface_owned.get();
     iface->unpacked = &unpacked_proxies_;
+    iface->unpack_in_graph = &unpack_in_graph_;
     cad::PyCompilerGuard guard(std::move(iface_owned));
     at::NoGradGuard no_grad;
     state_->sym_sizes_index = r.size_start;
@@ -650,6 +669,7 @@ class GraphCapture {
   void end_trace() {
     state_.reset();
     unpacked_proxies_.clear();
+    unpack_in_graph_ = py::none();
   }
 
   // ---- replay services (real tensors, called from the compiled graph) -----
@@ -769,6 +789,7 @@ class GraphCapture {
     root_grads_.clear();
     info_.clear();
     unpacked_proxies_.clear();
+    unpack_in_graph_ = py::none();
   }
 
  private:
@@ -1075,6 +1096,7 @@ class GraphCapture {
   std::vector<at::Tensor> root_grads_;
   std::unique_ptr<cad::TraceState> state_;
   std::vector<at::Tensor> unpacked_proxies_;
+  py::object unpack_in_graph_ = py::none();
 };
 
 // Swap a custom Function's saved tensors for proxies while Python traces its
@@ -1142,7 +1164,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("pynode_indices", &GraphCapture::pynode_indices)
       .def("roots", &GraphCapture::roots)
       .def("input_metadata", &GraphCapture::input_metadata)
-      .def("saved_hooks", &GraphCapture::saved_hooks)
+      .def("take_saved_hooks", &GraphCapture::take_saved_hooks)
       .def("pynode_flags", &GraphCapture::pynode_flags)
       .def("pynode_output_info", &GraphCapture::pynode_output_info)
       .def("begin_trace", &GraphCapture::begin_trace)
