@@ -50,7 +50,7 @@ def _mlp(d: int, quick: bool) -> Workload:
     )
 
 
-def _transformer(quick: bool) -> Workload:
+def _transformer(quick: bool, checkpointed: bool = False) -> Workload:
     if quick:
         layers, d, heads, ff, batch, seq = 1, 32, 2, 64, 2, 8
     else:
@@ -62,14 +62,26 @@ def _transformer(quick: bool) -> Workload:
     )
     enc.train()
     x = torch.randn(batch, seq, d)
+
+    def loss():
+        if not checkpointed:
+            return enc(x).pow(2).mean()
+        import torch.utils.checkpoint as checkpoint
+
+        h = x
+        for layer in enc.layers:
+            h = checkpoint.checkpoint(layer, h, use_reentrant=False)
+        return h.pow(2).mean()
+
     return Workload(
         name="transformer",
         description=(
             f"nn.TransformerEncoder: {layers} layers, d_model {d}, {heads} heads, ff {ff}, dropout 0, "
             f"batch_first, batch {batch}, seq {seq}, train mode, loss = mean(out^2)"
+            + (" ; each layer under torch.utils.checkpoint (non-reentrant): recomputed in the backward" if checkpointed else "")
         ),
         params=list(enc.parameters()),
-        loss=lambda: enc(x).pow(2).mean(),
+        loss=loss,
         modules=[enc],
     )
 
@@ -155,7 +167,7 @@ def _stream(quick: bool) -> Stream:
     )
 
 
-WORKLOADS = ["mlp256", "mlp1024", "transformer", "cnn", "chain", "stream"]
+WORKLOADS = ["mlp256", "mlp1024", "transformer", "cnn", "chain", "stream", "checkpointed"]
 
 
 def build(name: str, quick: bool = False):
@@ -172,6 +184,8 @@ def _build(name: str, quick: bool):
         return _mlp(1024, quick)
     if name == "transformer":
         return _transformer(quick)
+    if name == "checkpointed":
+        return _transformer(quick, checkpointed=True)
     if name == "cnn":
         return _cnn(quick)
     if name == "chain":

@@ -185,6 +185,7 @@ class _BackwardTracer:
         self.sym_sizes = sym
         self.in_graph_metas = {}
         self.node_inputs: list = []  # the grads entering the node being traced
+        self.unconsumed: list = []  # grads for AccumulateGrad since the last unpack call
         for hid, dtype, device, dim in c.in_graph:
             self.in_graph_metas[hid] = (dims[:dim], dtype, device)
             dims = dims[dim:]
@@ -197,10 +198,16 @@ class _BackwardTracer:
 
     def _unpack_in_graph(self, hid: int):
         """The native tracer asks for hooked saved tensor `hid` (NOTE [Unpacking in the graph]).
-        The node's incoming grads are the call's inputs, unused: a compiler may move a call
-        with no inputs to the start of the graph (inductor does), which would unpack, and
-        recompute, everything up front again."""
-        after = [t for t in self.node_inputs if t is not None]
+
+        The call's inputs (unused) say what must be computed before it. The node's incoming
+        grads: a compiler may move a call with no inputs to the start of the graph (inductor
+        does), which would unpack, and recompute, everything up front again. And the grads
+        for AccumulateGrad computed since the last unpack: graph results that nothing inside
+        consumes, so a compiler may leave them for later (inductor did), keeping what they
+        read alive while the next checkpointed region is recomputed; eager accumulates each
+        as soon as it is computed."""
+        after = [t for t in self.node_inputs if t is not None] + self.unconsumed
+        self.unconsumed = []
         (t,), _ = self._call(ops.UNPACK, hid, after, [self.in_graph_metas[hid]])
         return t
 
@@ -261,6 +268,7 @@ class _BackwardTracer:
             r, f = self._result(v)
             if r >= 0:
                 self.accumulate.append((idx, r, f))
+                self.unconsumed.append(v.t)
 
     def _post_hooks(self, idx, outputs, inputs):
         outs_t = [v.t if v is not None else None for v in outputs]
@@ -462,7 +470,7 @@ def _size_classes(collected: Collected, mask, history) -> dict[str, Any]:
         if with_strides:
             names += [TensorPropertySource(base, TensorProperty.STRIDE, d).name for d in range(dim)]
         names.append(TensorPropertySource(base, TensorProperty.STORAGE_OFFSET).name)
-    names += _in_graph_names(collected)
+    names += [source.name for source in _in_graph_sources(collected)]
     assert len(names) == len(sizes), (len(names), len(sizes))
     history = [h for h in history if len(h) == len(sizes)]
     return {
@@ -470,8 +478,9 @@ def _size_classes(collected: Collected, mask, history) -> dict[str, Any]:
     }
 
 
-def _in_graph_names(collected: Collected) -> list[str]:
-    return [LocalSource(f"unpacked{hid}_{d}").name for hid, _, _, dim in collected.in_graph for d in range(dim)]
+def _in_graph_sources(collected: Collected) -> list:
+    """A source per dim of the tensors unpacked in the graph (NOTE [Unpacking in the graph])."""
+    return [LocalSource(f"unpacked{hid}_{d}") for hid, _, _, dim in collected.in_graph for d in range(dim)]
 
 
 def fake_inputs(collected: Collected, mask, history=()):
@@ -501,7 +510,7 @@ def fake_inputs(collected: Collected, mask, history=()):
         fakes.append(f)
     # the node sizes, and the shapes of the tensors unpacked in the graph: ints passed in
     sources = [(j, LocalSource(f"size{j}")) for j in range(n_si)]
-    sources += [(collected.in_graph_start + k, LocalSource(name)) for k, name in enumerate(_in_graph_names(collected))]
+    sources += [(collected.in_graph_start + k, source) for k, source in enumerate(_in_graph_sources(collected))]
     symints, size_inputs = [], []
     for j, source in sources:
         if mask and mask[j]:
