@@ -172,6 +172,33 @@ class DataDependent(torch.autograd.Function):
         return g * 2 * (1.0 + 0.0 * scale)
 
 
+class ReturnsKept(torch.autograd.Function):
+    """An untraceable backward whose gradient is a tensor the user keeps."""
+
+    @staticmethod
+    def forward(ctx, x, kept):
+        ctx.kept = kept
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        assert g.abs().sum().item() >= 0  # data-dependent: runs opaquely
+        return ctx.kept, None
+
+
+def test_opaque_node_returning_a_tensor_it_keeps_is_not_overwritten_by_the_graph():
+    # NOTE [Outputs the graph owns]: inductor would reuse the node's output buffer in place
+    kept = torch.ones(16, 16)
+
+    def build(log, step):
+        a = leaf(16, 16)
+        y = ReturnsKept.apply(a.sin(), kept)
+        return (y * 3).sum(), [a]
+
+    observe(build, backend="inductor", n_opaque=1)
+    assert torch.equal(kept, torch.ones(16, 16))
+
+
 class NumpyBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
