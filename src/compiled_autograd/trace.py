@@ -137,6 +137,7 @@ class _BackwardTracer:
         if v is None:
             return -1, -1
         self.results.append(v.t)
+        self.unconsumed.append(v.t)
         r = len(self.results) - 1
         if v.bits is None:
             return r, -1
@@ -185,7 +186,7 @@ class _BackwardTracer:
         self.sym_sizes = sym
         self.in_graph_metas = {}
         self.node_inputs: list = []  # the grads entering the node being traced
-        self.unconsumed: list = []  # grads for AccumulateGrad since the last unpack call
+        self.unconsumed: list = []  # graph results (grads for AccumulateGrad or grad()) since the last unpack call
         for hid, dtype, device, dim in c.in_graph:
             self.in_graph_metas[hid] = (dims[:dim], dtype, device)
             dims = dims[dim:]
@@ -201,11 +202,11 @@ class _BackwardTracer:
 
         The call's inputs (unused) say what must be computed before it. The node's incoming
         grads: a compiler may move a call with no inputs to the start of the graph (inductor
-        does), which would unpack, and recompute, everything up front again. And the grads
-        for AccumulateGrad computed since the last unpack: graph results that nothing inside
-        consumes, so a compiler may leave them for later (inductor did), keeping what they
-        read alive while the next checkpointed region is recomputed; eager accumulates each
-        as soon as it is computed."""
+        does), which would unpack, and recompute, everything up front again. And the graph
+        results computed since the last unpack (grads for AccumulateGrad or grad()): nothing
+        inside consumes them, so a compiler may leave them for later (inductor did), keeping
+        what they read alive while the next checkpointed region is recomputed; eager
+        accumulates each as soon as it is computed."""
         after = [t for t in self.node_inputs if t is not None] + self.unconsumed
         self.unconsumed = []
         (t,), _ = self._call(ops.UNPACK, hid, after, [self.in_graph_metas[hid]])
@@ -268,7 +269,6 @@ class _BackwardTracer:
             r, f = self._result(v)
             if r >= 0:
                 self.accumulate.append((idx, r, f))
-                self.unconsumed.append(v.t)
 
     def _post_hooks(self, idx, outputs, inputs):
         outs_t = [v.t if v is not None else None for v in outputs]
