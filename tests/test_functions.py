@@ -356,6 +356,32 @@ def test_checkpoint_with_retain_graph_recomputes_for_each_backward(backend):
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 3, 0)
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_selective_checkpoint_with_dropout(backend):
+    # selective checkpointing (mm saved, the rest recomputed) and dropout, whose mask the
+    # recompute reproduces from the RNG state checkpoint stashed: unpacked in the graph
+    import functools
+
+    def policy(ctx, op, *args, **kwargs):
+        if op == torch.ops.aten.mm.default:
+            return checkpoint.CheckpointPolicy.MUST_SAVE
+        return checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+    def build(log, step):
+        x, w = leaf(4, 8), leaf(8, 8)
+
+        def block(a):
+            return torch.nn.functional.dropout((a @ w).tanh(), 0.3, training=True) @ w
+
+        selective = functools.partial(checkpoint.create_selective_checkpoint_contexts, policy)
+        y = checkpoint.checkpoint(block, x, use_reentrant=False, context_fn=selective)
+        z = checkpoint.checkpoint(block, y, use_reentrant=False)
+        return z.pow(2).sum(), [x, w]
+
+    observe(build, backend=backend)
+    assert "saved-tensor hooks: 12 tensors unpacked in the graph" in ca.explain()
+
+
 def test_checkpointed_node_marked_opaque_unpacks_by_itself():
     # an opaque node runs its own apply, which calls the unpack hook: no unpack call for it
     def build(log, step):
