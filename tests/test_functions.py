@@ -284,6 +284,22 @@ def test_saved_tensors_hooks():
     assert "saved-tensor hooks: 3 tensors (0.0 MB) unpacked when the backward started" in ca.explain()
 
 
+def test_which_unpacked_tensor_each_hook_returns_is_part_of_the_key():
+    # a user's unpack hook (unpacked up front): [T1, T1, T2, T3] then [T1, T2, T2, T3] lift
+    # three tensors each time; the graph's wiring of them differs, so the keys must too
+    table = [torch.randn(3) for _ in range(3)]
+    order = [[0, 0, 1, 2], [0, 1, 1, 2]]
+
+    def build(log, step):
+        a, b, c = leaf(3), leaf(3), leaf(3)
+        positions = iter(range(4))
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: next(positions), lambda i: table[order[step][i]]):
+            y = (a * b) * c  # saves a, b, then a * b, c
+        return y.sum(), [a, b, c]
+
+    observe(build, captures=2, hits=0)
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_checkpointed_region_is_recomputed_when_the_backward_reaches_it(backend):
     # NOTE [Unpacking in the graph]: the recompute runs at the region's first node, after

@@ -227,7 +227,9 @@ def _conform(kind, capture, node, mask, outs, args, metas, flags):
                 f"compiled_autograd: {what} returned a tensor of {tuple(o.shape)}/{o.dtype}/{o.device} "
                 f"where the graph was traced with {tuple(shape)}/{dtype}/{device}"
             )
-        o = o.contiguous()
+        # the graph was traced with a plain tensor: no lazy conjugate or negative bit
+        # (`contiguous()` keeps them; a copy below would resolve them)
+        o = o.resolve_conj().resolve_neg().contiguous()
         # the references of a private tensor: `o` and getrefcount's argument
         if sys.getrefcount(o) > 2 or not _sole_owner(o):
             o = o.clone()
