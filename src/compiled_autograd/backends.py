@@ -29,8 +29,9 @@ def compile_graph(
     dynamic: bool = False,
     patches: dict | None = None,
 ) -> Callable:
-    # Compile as an inference graph: the backward graph is never differentiated
-    # again (create_graph=True runs eagerly). One compile at a time: inductor
+    # Compile as an inference graph: the compiled graph is never differentiated
+    # itself (under create_graph=True the traced FX graph is: NOTE [create_graph]
+    # in create_graph.py). One compile at a time: inductor
     # is not thread-safe, and background compiles run in threads. `patches`:
     # inductor config (enable(mode=..., options=...)), set for this compile only.
     with _lock, torch.no_grad():

@@ -77,7 +77,7 @@ def _version() -> bytes:
 def portable_key(key, sizes) -> bytes | None:
     """A byte string naming a static graph -- its key and its sizes -- across
     processes, or None if it cannot."""
-    backend, global_state, opaque, collected_key = key
+    backend, global_state, opaque, create_graph, collected_key = key
     if not isinstance(backend, str):
         return None
     native_key, *python_parts = collected_key
@@ -85,7 +85,7 @@ def portable_key(key, sizes) -> bytes | None:
         return None
     h = hashlib.sha256()
     h.update(_version())
-    h.update(repr((backend, tuple(str(s) for s in global_state), opaque, python_parts)).encode())
+    h.update(repr((backend, tuple(str(s) for s in global_state), opaque, create_graph, python_parts)).encode())
     h.update(native_key)
     h.update(repr(tuple(sizes)).encode())
     return h.digest()

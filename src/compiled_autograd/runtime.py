@@ -32,7 +32,8 @@ from . import ops
 from .collect import collect
 from .logs import compile_status
 from .graph_task import in_graph_task
-from .trace import capture_backward, guards_of, tensor_positions
+from .trace import NotTwiceDifferentiable, capture_backward, guards_of, tensor_positions
+from .create_graph import DifferentiableGraph
 
 log = logging.getLogger("compiled_autograd")
 
@@ -54,6 +55,7 @@ class _Fallback(Exception):
 
 _warned: set[str] = set()
 _capture_log: list[dict] = []
+_unsupported: dict[tuple, str] = {}  # key -> why its capture fell back (not traced again)
 
 
 def capture_log() -> list[dict]:
@@ -63,6 +65,7 @@ def capture_log() -> list[dict]:
 def reset_runtime() -> None:
     _warned.clear()
     _capture_log.clear()
+    _unsupported.clear()
 
 
 def _global_state() -> tuple:
@@ -89,8 +92,6 @@ def _precheck(roots, grads, create_graph, inputs, accumulate_grad) -> tuple[str 
             return "input does not require grad", True
         if accumulate_grad and t.grad_fn is not None:
             return "backward(inputs=...) with a non-leaf input", False
-    if create_graph:
-        return "create_graph=True", False
     if torch.is_anomaly_enabled() and (torch.is_anomaly_check_nan_enabled() or not STATS.compiles_pending):
         # (aot autograd turns anomaly mode on, without NaN checks, while it
         # compiles; that global flag is not the user's while ours compile)
@@ -122,9 +123,28 @@ def _fall_back(cfg: Config, reason: str, eager: Callable[[], Any], user_error: b
     return result
 
 
-def _capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=()) -> CompiledBackward:
+def _create_graph_unsupported(collected) -> str | None:
+    """Why this backward cannot run compiled with create_graph=True (NOTE [create_graph])."""
+    if collected.unpacked:
+        return "create_graph=True with saved-tensor hooks"
+    for n in collected.capture.nodes():
+        if any(n[7][:4]) or n[7][4]:
+            return "create_graph=True with hooks"
+        if n[3]:
+            return "create_graph=True with an opaque node"
+    if any(info.opaque_reason for info in collected.pynodes.values()):
+        return "create_graph=True with an opaque node"
+    return None
+
+
+def _capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=(), create_graph=False) -> CompiledBackward:
     t0 = time.perf_counter()
-    captured = in_graph_task(lambda: capture_backward(collected, cfg.opaque, mask, history))
+    try:
+        captured = in_graph_task(lambda: capture_backward(collected, cfg.opaque, mask, history, create_graph))
+    except NotTwiceDifferentiable as e:
+        raise _Fallback(f"create_graph=True through a node eager cannot differentiate twice ({e})") from e
+    if create_graph and captured.plan.slots:
+        raise _Fallback("create_graph=True with an opaque node")
     t1 = time.perf_counter()
     names = tuple(n[0] for n in collected.capture.nodes())
     is_dynamic = captured.mask is not None and any(captured.mask)
@@ -426,6 +446,9 @@ def _describe_dynamic(collected, dynamic) -> list[str]:
 
 
 def _replay(entry: CompiledBackward, capture, lifted, extra, hooks):
+    if entry.plan.differentiable is not None and any(entry.plan.differentiable):
+        with torch.enable_grad():  # the engine's grad mode under create_graph
+            return list(DifferentiableGraph.apply(entry, extra, *lifted))
     args = list(lifted) + extra if extra else lifted
 
     def run():
@@ -519,7 +542,19 @@ def _run_backward(
         pause.resume()
         return _fall_back(cfg, f"collection error: {str(e).splitlines()[0][:120]}", eager, user_error=True)
 
-    key = (cfg.backend_key, _global_state(), cfg.opaque, collected.key)
+    key = (cfg.backend_key, _global_state(), cfg.opaque, create_graph, collected.key)
+    if create_graph:
+        # (hooks, opaque nodes and saved-tensor hooks are in the key: checked once per key)
+        reason = _unsupported.get(key)
+        if reason is None and CACHE.family(key) is None:
+            reason = _create_graph_unsupported(collected)
+            if reason is not None and len(_unsupported) < 1024:
+                _unsupported[key] = reason
+        if reason is not None:
+            capture.clear()
+            pause.resume()
+            return _fall_back(cfg, reason, eager)
+        capture.grad_mode = True  # AccumulateGrad applies the results as under create_graph
     lifted = collected.lifted
     fam = CACHE.family(key)
     entry, extra = fam.lookup(collected.sizes, lifted) if fam is not None else (None, [])
@@ -528,6 +563,8 @@ def _run_backward(
         if entry is None:
             pause.resume()  # tracing and compiling make garbage cycles
             mask, reason = _plan_capture(cfg, fam, collected)
+            if create_graph:
+                mask, reason = None, reason + (" (create_graph=True: static shapes)" if mask else " (create_graph=True)")
             pkey = diskcache.portable_key(key, collected.sizes) if cfg.disk_cache and mask is None else None
             record = diskcache.load(pkey) if pkey is not None else None
             if record is not None:
@@ -536,7 +573,7 @@ def _run_backward(
             else:
                 try:
                     history = tuple(e.sizes for e in fam.entries()) if fam is not None else ()
-                    entry = _capture_and_compile(cfg, collected, key, mask, reason, history)
+                    entry = _capture_and_compile(cfg, collected, key, mask, reason, history, create_graph)
                 except Exception:
                     if mask is None or cfg.fullgraph:
                         raise
@@ -569,10 +606,14 @@ def _run_backward(
             # opaque calls (hooks, nodes) may have run, or the saved tensors are
             # gone: never run the backward twice
             raise
-        if cfg.fullgraph:
-            raise
         capture.clear()
         pause.resume()
+        if isinstance(e, _Fallback):
+            if len(_unsupported) < 1024:
+                _unsupported[key] = e.reason  # not traced again
+            return _fall_back(cfg, e.reason, eager)
+        if cfg.fullgraph:
+            raise
         log.debug("capture failed", exc_info=True)
         return _fall_back(cfg, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}", eager)
     if entry.plan.opaque:

@@ -55,6 +55,8 @@ class Plan:
     captured: tuple  # (result index or -1, flag result index or -1) per grad() input
     opaque: tuple  # (node index, node name, reason)
     num_results: int
+    # create_graph=True: per graph result, whether eager's would require grad (NOTE [create_graph])
+    differentiable: tuple | None = None
 
     @property
     def reads_nodes(self) -> bool:
@@ -522,10 +524,11 @@ def fake_inputs(collected: Collected, mask, history=()):
     return mode, shape_env, fakes, symints, tuple(size_inputs), tuple(real_mask) if mask else None
 
 
-def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, history=()) -> Captured:
+def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, history=(), create_graph=False) -> Captured:
     """Trace the whole backward (symbolic where `mask` says; `history`: the
     sizes of earlier backwards of this key); nodes that cannot be traced
-    become opaque."""
+    become opaque. With `create_graph`, the formulas run in grad mode, as the
+    engine runs them then, on fakes that require grad where the real tensors do."""
     opaque_extra: dict[int, str] = {
         i: "marked opaque" for i, n in enumerate(collected.capture.nodes()) if n[0] in opaque_names and n[1] != ACCUMULATE_KIND
     }
@@ -539,12 +542,21 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
             out["captured"] = captured
             return results
 
+        grad_mode, collected.capture.grad_mode = collected.capture.grad_mode, create_graph
         try:
-            with torch.no_grad(), mode:
+            with torch.set_grad_enabled(create_graph), mode:
                 gm = make_fx(backward_graph, tracing_mode="real", _allow_non_fake_inputs=False)(*fakes, *symints)
         except NeedsOpaque as e:
             opaque_extra[e.idx] = e.reason
             continue
+        finally:
+            collected.capture.grad_mode = grad_mode
+        differentiable = None
+        if create_graph:
+            differentiable = tuple(isinstance(r, torch.Tensor) and r.requires_grad for r in tracer.results)
+            error = once_differentiable(tracer.results, fakes)
+            if error is not None:
+                raise NotTwiceDifferentiable(error)
         gm.graph.eliminate_dead_code()
         gm.recompile()
         opaque = tuple(
@@ -558,9 +570,34 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
             captured=tuple(out["captured"]),
             opaque=opaque,
             num_results=len(tracer.results),
+            differentiable=differentiable,
         )
         return Captured(gm, plan, fakes + symints, real_mask, size_inputs, None, shape_env)
     raise RuntimeError("compiled_autograd: could not trace this backward")
+
+
+class NotTwiceDifferentiable(Exception):
+    """create_graph=True through a part of the backward eager records as an error node."""
+
+
+def once_differentiable(results, inputs) -> str | None:
+    """The name of an error node in the autograd graph the traced (fake) results
+    were recorded with, if any: eager records the same node (a once_differentiable
+    custom Function's DelayedError, a formula's not_implemented) and raises when a
+    second backward reaches it. The graph ends at the fake inputs (a fake of a
+    non-leaf hangs off an error node of its own, which is not the backward's)."""
+    seen: dict[int, Any] = {id(t.grad_fn): t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    stack = [r.grad_fn for r in results if isinstance(r, torch.Tensor) and r.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen[id(fn)] = fn  # (keeps it alive, so the id stays unique)
+        name = fn.name()
+        if "Error" in name or "NotImplemented" in name:
+            return name
+        stack.extend(f for f, _ in fn.next_functions)
+    return None
 
 
 def guards_of(captured: Captured):

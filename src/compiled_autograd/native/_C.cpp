@@ -377,6 +377,10 @@ class GraphCapture {
   // '' when the graph can be compiled, otherwise why not.
   std::string unsupported;
 
+  // The grad mode the nodes' formulas are traced in and the results applied
+  // in: the engine's, which is create_graph (NOTE [create_graph] in runtime.py).
+  bool grad_mode = false;
+
   py::bytes key() const {
     return py::bytes(key_);
   }
@@ -642,7 +646,7 @@ class GraphCapture {
     iface->unpacked = &unpacked_proxies_;
     iface->unpack_in_graph = &unpack_in_graph_;
     cad::PyCompilerGuard guard(std::move(iface_owned));
-    at::NoGradGuard no_grad;
+    at::AutoGradMode grad_mode_guard(grad_mode);
     state_->sym_sizes_index = r.size_start;
     auto& node_call = call_.node_calls.lookup(r.fn);
     cad::SwapSavedVariables saved(call_, *state_, Py_None, node_call);
@@ -742,7 +746,7 @@ class GraphCapture {
       py::list results,
       const std::vector<std::pair<size_t, size_t>>& acc,
       const std::vector<int64_t>& captured) {
-    at::NoGradGuard no_grad;
+    at::AutoGradMode grad_mode_guard(grad_mode); // AccumulateGrad clones and adds out of place under create_graph
     for (auto& [node_idx, res_idx] : acc) {
       py::object item = results[res_idx];
       if (item.is_none()) {
@@ -1180,7 +1184,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("apply_results", &GraphCapture::apply_results)
       .def("release", &GraphCapture::release)
       .def("drop_lifted", &GraphCapture::drop_lifted)
-      .def("clear", &GraphCapture::clear);
+      .def("clear", &GraphCapture::clear)
+      .def_readwrite("grad_mode", &GraphCapture::grad_mode);
   py::class_<PyNodeSavedSwap>(m, "PyNodeSavedSwap")
       .def(py::init<py::object, const std::vector<std::optional<at::Tensor>>&>())
       .def("restore", &PyNodeSavedSwap::restore);

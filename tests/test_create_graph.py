@@ -1,0 +1,247 @@
+"""create_graph=True: compiled backwards whose gradients can be differentiated again
+(NOTE [create_graph] in create_graph.py). Each test runs two inputs through one
+cache entry and compares every value, and whether it requires grad, with eager."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import compiled_autograd as ca
+
+
+def _scope(compiled, backend):
+    return ca.enable(backend, fullgraph=True) if compiled else contextlib.nullcontext()
+
+
+def _same(got, want, what):
+    assert len(got) == len(want), what
+    for i, (g, w) in enumerate(zip(got, want)):
+        if w is None:
+            assert g is None, f"{what} #{i}: expected None"
+            continue
+        assert g is not None, f"{what} #{i}: expected a tensor"
+        assert g.requires_grad == w.requires_grad, f"{what} #{i}: requires_grad {g.requires_grad} vs eager {w.requires_grad}"
+        torch.testing.assert_close(g.detach(), w.detach(), msg=lambda m: f"{what} #{i}: {m}")
+
+
+def _parity(step, backend, steps=2, captures=1, hits=None):
+    """step(seed, first, second): the values to compare; `first`/`second` are the
+    scopes of the create_graph backward and of the backward through it."""
+    start = ca.stats()
+    for seed in range(steps):
+        want = step(seed, contextlib.nullcontext(), contextlib.nullcontext())
+        got = step(seed, _scope(True, backend), _scope(False, backend))
+        _same(got, want, f"step {seed}")
+    end = ca.stats()
+    assert end.eager_fallbacks == start.eager_fallbacks, end.fallback_reasons
+    assert end.captures - start.captures == captures, end
+    assert end.hits - start.hits == (steps * (1 if hits is None else hits)) - captures, end
+
+
+def _critic():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.GELU(),
+        torch.nn.LayerNorm(16), torch.nn.Linear(16, 1),
+    )
+
+
+def _grads(params):
+    return [None if p.grad is None else p.grad.clone() for p in params]
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_gradient_penalty_matches_eager(backend):
+    """WGAN-GP: the gradient of the critic with respect to its input, then the
+    penalty's backward to the weights, through the first backward's graph."""
+    D = _critic()
+    params = list(D.parameters())
+
+    def step(seed, first, second):
+        torch.manual_seed(seed)
+        x = torch.randn(4, 8, requires_grad=True)
+        for p in params:
+            p.grad = None
+        with first:
+            (g,) = torch.autograd.grad(D(x).sum(), x, create_graph=True)
+        gp = ((g.norm(2, dim=1) - 1) ** 2).mean()
+        with second:
+            gp.backward()
+        return [g, *_grads(params), x.grad]
+
+    _parity(step, backend)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_gradient_penalty_with_the_second_backward_compiled_too(backend):
+    D = _critic()
+    params = list(D.parameters())
+
+    def step(seed, first, second):
+        torch.manual_seed(seed)
+        x = torch.randn(4, 8, requires_grad=True)
+        for p in params:
+            p.grad = None
+        with first:
+            (g,) = torch.autograd.grad(D(x).sum(), x, create_graph=True)
+            gp = ((g.norm(2, dim=1) - 1) ** 2).mean()
+            gp.backward()  # through the compiled first backward: its double backward is traced in
+        return [g, *_grads(params), x.grad]
+
+    # per step: the create_graph backward and the backward through it
+    _parity(step, backend, captures=2, hits=2)
+
+
+def test_backward_create_graph_accumulates_differentiable_grads():
+    """`backward(create_graph=True)`: AccumulateGrad clones into `.grad` (with
+    history), then adds out of place, as eager does in grad mode."""
+    torch.manual_seed(0)
+    w = torch.randn(5, 3, requires_grad=True)
+    b = torch.randn(3, requires_grad=True)
+
+    def step(seed, first, second):
+        torch.manual_seed(seed)
+        x = torch.randn(4, 5)
+        w.grad = b.grad = None
+        with first:
+            torch.tanh(x @ w + b).pow(2).sum().backward(create_graph=True)
+            gw, gb = w.grad, b.grad
+            torch.sin(x @ w).sum().backward(create_graph=True)  # .grad exists: out of place
+        penalty = w.grad.pow(2).sum() + gb.pow(2).sum()
+        out = [gw, gb, w.grad, b.grad]
+        w.grad = b.grad = None
+        with second:
+            penalty.backward()
+        return out + [w.grad.clone(), b.grad.clone()]
+
+    _parity(step, "aot_eager", captures=2, hits=2)
+
+
+def test_hessian_vector_product_and_third_order_match_eager():
+    def step(seed, first, second):
+        torch.manual_seed(seed)
+        x = torch.randn(6, requires_grad=True)
+        v = torch.randn(6, requires_grad=True)  # a grad_output that itself requires grad
+        with first:
+            y = (x.sin() * x.pow(3)).sum()
+            (g,) = torch.autograd.grad(y, x, create_graph=True)
+            (hv,) = torch.autograd.grad(g, x, grad_outputs=v, create_graph=True)
+            (third,) = torch.autograd.grad(hv.sum(), x, create_graph=True)
+            (dv,) = torch.autograd.grad(third.sum(), v)
+        return [g, hv, third, dv]
+
+    _parity(step, "eager", captures=4, hits=4)
+
+
+def test_results_that_do_not_depend_on_anything_differentiable_do_not_require_grad():
+    """d(x @ w)/dw with x constant does not require grad in eager: nor here."""
+    w = torch.randn(4, 2, requires_grad=True)
+    z = torch.randn(3, requires_grad=True)
+
+    def step(seed, first, second):
+        torch.manual_seed(seed)
+        x = torch.randn(3, 4)
+        with first:
+            gw, gz = torch.autograd.grad((x @ w).sum() + z.sin().sum(), [w, z], create_graph=True)
+        assert not gw.requires_grad and gz.requires_grad
+        return [gw, gz]
+
+    _parity(step, "eager")
+
+
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.pow(3)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * g * x * x  # differentiable: a double backward goes through it
+
+
+class _Once(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.pow(3)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * g * x * x
+
+
+def test_custom_function_backward_is_differentiated_as_in_eager():
+    def step(seed, first, second):
+        torch.manual_seed(seed)
+        x = torch.randn(5, requires_grad=True)
+        with first:
+            (g,) = torch.autograd.grad(_Twice.apply(x.exp()).sum(), x, create_graph=True)
+        with second:
+            (gg,) = torch.autograd.grad(g.sum(), x)
+        return [g, gg]
+
+    _parity(step, "eager")
+
+
+def test_once_differentiable_function_falls_back_and_raises_as_eager():
+    """Eager records a DelayedError node when the grads entering a once_differentiable
+    backward require grad; a second backward through it raises. So do we (eagerly)."""
+    x = torch.randn(4, requires_grad=True)
+    v = torch.ones(4, requires_grad=True)
+    with ca.enable("eager"):
+        (g,) = torch.autograd.grad(_Once.apply(x), x, grad_outputs=v, create_graph=True)
+        torch.testing.assert_close(g, 3 * x.detach() ** 2)
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            g.sum().backward()
+        (g,) = torch.autograd.grad(_Once.apply(x), x, grad_outputs=v, create_graph=True)  # not traced again
+        # without a grad that requires grad, eager records no error node: compiled
+        (g,) = torch.autograd.grad(_Once.apply(x).sum(), x, create_graph=True)
+        assert not g.requires_grad
+    s = ca.stats()
+    # captures: the backward that raises (its error node runs opaquely) and the last one
+    assert (s.captures, s.eager_fallbacks) == (2, 2), s
+    assert any("cannot differentiate twice" in r for r in s.fallback_reasons), s.fallback_reasons
+    with pytest.raises(ca.CompiledAutogradError, match="differentiate twice"):
+        with ca.enable("eager", fullgraph=True):
+            torch.autograd.grad(_Once.apply(x), x, grad_outputs=v, create_graph=True)
+
+
+def test_hooks_with_create_graph_fall_back():
+    x = torch.randn(3, requires_grad=True)
+    y = x.pow(3)
+    y.register_hook(lambda g: g * 2)
+    with ca.enable("eager"):
+        (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    torch.testing.assert_close(g, 6 * x.detach() ** 2)
+    assert g.requires_grad
+    assert ca.stats().fallback_reasons["create_graph=True with hooks"] == 1
+
+
+def test_inductor_gradient_penalty():
+    D = _critic()
+    params = list(D.parameters())
+
+    def step(seed, first, second):
+        torch.manual_seed(seed)
+        x = torch.randn(4, 8, requires_grad=True)
+        for p in params:
+            p.grad = None
+        with first:
+            (g,) = torch.autograd.grad(D(x).sum(), x, create_graph=True)
+            ((g.norm(2, dim=1) - 1) ** 2).mean().backward()
+        return [g, *_grads(params), x.grad]
+
+    start = ca.stats()
+    for seed in range(2):
+        want = step(seed, contextlib.nullcontext(), None)
+        got = step(seed, ca.enable("inductor", background=False), None)
+        _same(got, want, f"step {seed}")
+    end = ca.stats()
+    assert (end.captures - start.captures, end.hits - start.hits, end.eager_fallbacks) == (2, 2, 0), end
