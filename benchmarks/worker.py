@@ -278,15 +278,15 @@ def tensor_peak_mb(fn) -> float:
     return peak / 2**20
 
 
-def floor_of(loss_fn, params, runs: int = 5) -> dict:
+def floor_of(wl, params, runs: int = 5) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     best = None
     for _ in range(runs):
         zero(params)
-        loss = loss_fn()
+        loss = wl.loss()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            loss.backward()
+            wl.backward(loss)
         ops = {}
         total = 0.0
         for evt in prof.key_averages():
@@ -309,7 +309,7 @@ def run_fixed(wl, mode: Mode, args, res: dict, save):
     loss = wl.loss()
     res["nodes"] = count_nodes(loss)
     t0 = pc()
-    loss.backward()
+    wl.backward(loss)
     res["eager_reference_backward_s"] = pc() - t0
     ref = grads(params)
     save()
@@ -321,7 +321,7 @@ def run_fixed(wl, mode: Mode, args, res: dict, save):
     mode.graph_times.clear()
     t0 = pc()
     with mode.ctx():
-        loss.backward()
+        wl.backward(loss)
     res["first_backward_s"] = pc() - t0
     res["first_graph_s"] = sum(mode.graph_times) if mode.graph_times else None
     # ours + inductor compiles in a background thread by default (the first backwards replay the
@@ -338,7 +338,7 @@ def run_fixed(wl, mode: Mode, args, res: dict, save):
         zero(params)
         loss = wl.loss()
         with mode.ctx():
-            loss.backward()
+            wl.backward(loss)
     eager_t, mode_t, graph_t, eager_f, mode_f = [], [], [], [], []
 
     def one(ctx, out, faults, graph=None):
@@ -348,7 +348,7 @@ def run_fixed(wl, mode: Mode, args, res: dict, save):
         f0 = _minor_faults()
         t0 = pc()
         with ctx():
-            loss.backward()
+            wl.backward(loss)
         out.append(pc() - t0)
         faults.append(_minor_faults() - f0)
         if graph is not None:
@@ -413,7 +413,7 @@ def run_fixed(wl, mode: Mode, args, res: dict, save):
         if before is None or not _reset_peak_rss():
             return None
         with ctx():
-            loss.backward()
+            wl.backward(loss)
         return _proc_mb("VmHWM") - before
 
     peaks, eager_peaks = [], []
@@ -430,7 +430,7 @@ def run_fixed(wl, mode: Mode, args, res: dict, save):
     def step(ctx):
         loss = wl.loss()
         with ctx():
-            loss.backward()
+            wl.backward(loss)
 
     def measured(ctx):
         zero(params)
@@ -448,7 +448,7 @@ def run_fixed(wl, mode: Mode, args, res: dict, save):
 
     # 5. the floor (eager backward, profiled)
     if not args.no_profile:
-        res.update(floor_of(wl.loss, params))
+        res.update(floor_of(wl, params))
         if res.get("floor_s"):
             res["vs_floor"] = res["steady_median_s"] / res["floor_s"]
             res["eager_vs_floor"] = res["eager_steady_median_s"] / res["floor_s"]

@@ -23,6 +23,8 @@ class Workload:
     params: list  # the leaves whose .grad is compared with eager
     loss: Callable[[], torch.Tensor]  # forward -> scalar loss
     modules: list = field(default_factory=list)
+    # what is timed: the backward of loss()'s result (a workload may do more, e.g. create_graph)
+    backward: Callable[[torch.Tensor], None] = lambda loss: loss.backward()
 
 
 @dataclass
@@ -107,6 +109,39 @@ def _cnn(quick: bool) -> Workload:
     )
 
 
+def _gradient_penalty(quick: bool) -> Workload:
+    """WGAN-GP: the critic's gradient with respect to its input (create_graph=True), then the
+    backward of the penalty on its norm plus the critic loss, through that first backward."""
+    ch, batch, size = (32, 16, 32) if not quick else (4, 2, 8)
+    net = nn.Sequential(
+        nn.Conv2d(3, ch, 4, 2, 1), nn.LeakyReLU(0.2),
+        nn.Conv2d(ch, 2 * ch, 4, 2, 1), nn.LeakyReLU(0.2),
+        nn.Conv2d(2 * ch, 4 * ch, 4, 2, 1), nn.LeakyReLU(0.2),
+        nn.Flatten(), nn.Linear(4 * ch * (size // 8) ** 2, 1),
+    )
+    real, fake = torch.randn(batch, 3, size, size), torch.randn(batch, 3, size, size)
+    eps = torch.rand(batch, 1, 1, 1)
+    x_hat = (eps * real + (1 - eps) * fake).requires_grad_()
+
+    def backward(scores):
+        (g,) = torch.autograd.grad(scores.sum(), x_hat, create_graph=True)
+        gp = ((g.flatten(1).norm(2, dim=1) - 1) ** 2).mean()
+        (10 * gp - scores.mean()).backward()
+
+    return Workload(
+        name="gradient_penalty",
+        description=(
+            f"WGAN-GP critic: 3 x (Conv2d 4x4 stride 2 + LeakyReLU), channels {ch}/{2 * ch}/{4 * ch}, + Linear, "
+            f"input {batch}x3x{size}x{size}; timed: grad(scores.sum(), x, create_graph=True), then "
+            f"(10 * mean((|grad|_2 - 1)^2) - mean(scores)).backward()"
+        ),
+        params=list(net.parameters()) + [x_hat],
+        loss=lambda: net(x_hat),
+        modules=[net],
+        backward=backward,
+    )
+
+
 def _chain(quick: bool) -> Workload:
     nodes = 2000 if not quick else 200
     ops = nodes - 2  # + SumBackward0 + AccumulateGrad = `nodes` autograd nodes
@@ -167,7 +202,7 @@ def _stream(quick: bool) -> Stream:
     )
 
 
-WORKLOADS = ["mlp256", "mlp1024", "transformer", "cnn", "chain", "stream", "checkpointed"]
+WORKLOADS = ["mlp256", "mlp1024", "transformer", "cnn", "chain", "stream", "checkpointed", "gradient_penalty"]
 
 
 def build(name: str, quick: bool = False):
@@ -190,6 +225,8 @@ def _build(name: str, quick: bool):
         return _cnn(quick)
     if name == "chain":
         return _chain(quick)
+    if name == "gradient_penalty":
+        return _gradient_penalty(quick)
     if name == "stream":
         return _stream(quick)
     raise ValueError(f"unknown workload {name!r} (known: {', '.join(WORKLOADS)})")

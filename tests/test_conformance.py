@@ -2,7 +2,8 @@
 
 The full run is `python -m compiled_autograd.conformance` (docs/conformance/). Here: every
 autograd op and every module of the tables, float32, the first two sample inputs, with the
-`eager` backend; a deterministic sample of ~20 ops with `aot_eager`; and every 4th op through
+`eager` backend; a deterministic sample of ~20 ops with `aot_eager`; every 3rd op and module
+through `create_graph=True` and a backward through it; and every 4th op through
 the on-disk graph cache (about 1.5 min in all on 2 idle cores, 2.5 min on busy ones). Any
 `wrong` (gradient differs from eager) or `error` (compiled_autograd raised where eager did
 not) case fails the test, listing them; fallbacks, opaque nodes and recaptures are allowed
@@ -65,6 +66,13 @@ def test_conformance_disk_cache_sample():
     # which must give eager's grads
     _check(_run(backend="eager", ops=True, modules=False, every=4, modes=("backward",), disk_cache=True),
            min_cases=100)
+
+
+def test_conformance_create_graph_sample():
+    # every 3rd op and module (~half a minute): grad(create_graph=True) compiled, then a
+    # backward through it, compiled too; first- and second-order grads and which first-order
+    # grads require grad must be eager's
+    _check(_run(backend="eager", ops=True, modules=True, every=3, modes=("create_graph",)), min_cases=150)
 
 
 def test_conformance_report_renders():

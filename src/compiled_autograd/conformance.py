@@ -23,7 +23,10 @@ autograd (float32 and float64 where the op supports them on CPU) and every modul
    not gives a recapture (`recaptured`).
 
 Multi-input samples are also run through `torch.autograd.grad(loss, inputs=subset)` (mode
-`grad_subset`, every other input). The cache and counters are reset before every case, so
+`grad_subset`, every other input). Mode `create_graph` (not in the default modes; ops whose
+OpInfo supports gradgrad) runs `grad(loss, inputs, create_graph=True)`, then the backward of a
+weighted sum of those grads, both in the scope, and compares the first- and second-order
+grads and which first-order grads require grad. The cache and counters are reset before every case, so
 the `ca.stats()` differences belong to that case alone. The on-disk graph cache is off; with
 `--disk-cache` every case also drops the in-memory cache after step 4 and runs the second
 value set once more, which must load the graph from disk and give the same grads.
@@ -207,6 +210,24 @@ def _perturb(tensors: Sequence[torch.Tensor], originals: Sequence[torch.Tensor],
                 u = torch.rand(o.shape, generator=g, dtype=real) * 2 - 1
                 new = new * (1 + 1e-3 * u)
             t.copy_(new)
+
+
+def _second_order(grads: list, tensors: list, seed: int) -> list:
+    """Mode `create_graph`: the grads of a weighted sum of the first-order grads (those that
+    require grad) with respect to the inputs, in the same scope (so compiled too: a backward
+    through the compiled create_graph backward), and which first-order grads require grad."""
+    g = torch.Generator().manual_seed(seed + 15485863)
+    terms = []
+    for d in grads:
+        if d is None:
+            continue
+        w = torch.randn(d.shape, dtype=d.real.dtype if d.is_complex() else d.dtype, generator=g)
+        if d.requires_grad:
+            terms.append(((d.real if d.is_complex() else d) * w).sum())
+    mask = torch.tensor([d is not None and d.requires_grad for d in grads], dtype=torch.float64)
+    if not terms:
+        return [None] * len(tensors) + [mask]
+    return list(torch.autograd.grad(torch.stack(terms).sum(), tensors, allow_unused=True)) + [mask]
 
 
 def _strides(t: torch.Tensor) -> tuple:
@@ -394,6 +415,8 @@ def _run_case(subject: Subject, res: CaseResult, *, backend, mode, dtype, seed, 
         raise _Skip("skipped_no_grad", "no input requires grad")
     labels = [l for l, _ in targets]
     tensors = [t for _, t in targets]
+    if mode == "create_graph":
+        labels += [f"d2 {l}" for l in labels] + ["requires_grad of the first-order grads"]
     state: dict = {}
     enable_kw = _enable_kwargs(disk_cache)
 
@@ -416,6 +439,9 @@ def _run_case(subject: Subject, res: CaseResult, *, backend, mode, dtype, seed, 
         with scope:
             if mode == "grad_subset":
                 grads = list(torch.autograd.grad(loss, tensors, allow_unused=True))
+            elif mode == "create_graph":
+                grads = list(torch.autograd.grad(loss, tensors, create_graph=True, allow_unused=True))
+                grads += _second_order(grads, tensors, seed)
             else:
                 loss.backward()
                 grads = [t.grad for t in tensors]
@@ -651,6 +677,8 @@ def run_op(op, *, backend: str, dtypes: Sequence[torch.dtype], sample_limit: int
                 for mode in modes:
                     if mode == "grad_subset" and len(subject.targets()) < 2:
                         continue
+                    if mode == "create_graph" and not op.supports_gradgrad:
+                        continue  # eager's own double backward is not defined for it
                     seed = _seed_for(name, dname, i, mode)
                     meta = dict(kind="op", name=name, variant=sample.name or "", sample=i)
                     results.append(run_case(subject, backend=backend, mode=mode, dtype=dtype, seed=seed, meta=meta,
@@ -752,6 +780,8 @@ def run_module(info, *, backend: str, dtypes: Sequence[torch.dtype], sample_limi
                                               reason=f"constructing the module raised: {_exc_line(e)}", **meta))
                     continue
                 if mode == "grad_subset" and len(subject.targets()) < 2:
+                    continue
+                if mode == "create_graph" and not getattr(info, "supports_gradgrad", True):
                     continue
                 results.append(run_case(subject, backend=backend, mode=mode, dtype=dtype, seed=seed, meta=meta,
                                         disk_cache=disk_cache))
