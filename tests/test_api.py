@@ -330,3 +330,24 @@ def test_inductor_options_apply_while_our_graphs_compile(monkeypatch):
     assert seen[1:] == [(True, default[1]), default]
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (3, 1, 0), s
+
+
+def test_grad_with_inputs_computes_only_the_outputs_it_needs():
+    """NOTE [Which outputs a node computes]: with `inputs=`, eager's formulas skip the grads
+    nobody asked for (a convolution's weight grad when only its input's is wanted); so does
+    the traced graph, and the values are eager's over two inputs through one entry."""
+    conv = torch.nn.Conv2d(3, 4, 3)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        x = torch.randn(2, 3, 8, 8, requires_grad=True)
+        want = torch.autograd.grad(conv(x).sum(), x)[0]
+        with ca.enable("eager", fullgraph=True):
+            (got,) = torch.autograd.grad(conv(x).sum(), x)
+        torch.testing.assert_close(got, want)
+    masks = [n.args[-1] for n in ca.graphs()[0].graph.graph.nodes if "convolution_backward" in str(n.target)]
+    assert masks == [[True, False, False]], masks
+    assert (ca.stats().captures, ca.stats().hits) == (1, 1)
+    with ca.enable("eager", fullgraph=True):
+        conv(x).sum().backward()  # no inputs=: every grad
+    masks = [n.args[-1] for e in ca.graphs() for n in e.graph.graph.nodes if "convolution_backward" in str(n.target)]
+    assert sorted(masks) == [[True, False, False], [True, True, True]], masks

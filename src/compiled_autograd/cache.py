@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -67,6 +67,9 @@ class CompiledBackward:
     compiled: bool = True  # False while a background compile is running (fn replays the FX graph)
     nodes: tuple = ()  # (name, kind, hooks, opaque reason, edges) per node, for dump()
     node_keys: tuple = ()  # each node's bytes of the key, then the tensor metadata, for explain()
+    # create_graph=True: the vjp graph of `graph`, which then returns its results and what the vjp
+    # reads (NOTE [create_graph] in create_graph.py)
+    vjp: Any = None  # create_graph.Vjp
 
     def __call__(self, args: list):
         """Run the graph. A boxed callable (backends.BOXED) takes the list

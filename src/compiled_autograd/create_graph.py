@@ -18,11 +18,17 @@ products, meta-learning. Ours:
     unpacked with their grad_fn, root grads, leaves), so its outputs are
     connected to everything the backward read, as eager's are. Results eager
     would not make differentiable are marked non-differentiable.
-  * its backward, the second-order pass: rerun the traced FX graph (aten ops,
-    as eager ran them) with grad enabled, and differentiate that with eager's
-    engine. A second backward under `enable()` traces that into its own graph,
-    so it is compiled as well. Under create_graph again, the rerun uses the
-    real inputs themselves, so third and higher orders work as in eager.
+  * its backward, the second-order pass, is the traced graph differentiated
+    by eager's engine. At capture, that is traced once more as a joint
+    function, (inputs, cotangents) -> (results, vjp), and split
+    (`split_joint`): what depends only on the inputs becomes the graph that
+    is compiled and run (results plus the intermediates the vjp reads, saved
+    as eager's create_graph saves them), the rest the vjp graph, run by the
+    Function's backward. A second backward under `enable()` traces that vjp
+    graph into its own graph, so it is compiled as well. Under create_graph
+    again (or when a graph cannot be split: it mutates), the backward reruns
+    the traced graph in grad mode on the real inputs themselves and
+    differentiates that, so third and higher orders work as in eager.
   * AccumulateGrad applies the results in grad mode: it clones into `.grad`
     and adds out of place, as eager does under create_graph.
 
@@ -34,53 +40,178 @@ their autograd history), and dynamic shapes (each new size is a static graph).
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+
+def _vjp(outs, cts, wrt, create: bool):
+    """Eager's engine itself (not torch.autograd's routed global): this may run
+    while a backward that contains it is traced."""
+    return torch.autograd.graph._engine_run_backward(
+        tuple(outs), tuple(cts), create, create, tuple(wrt), True, False  # keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad
+    )
+
+
+def split_joint(graph: fx.GraphModule, example_inputs: list, differentiable: tuple):
+    """(forward graph: inputs -> results + saved intermediates, vjp graph:
+    saved + cotangents of the differentiable results -> grads of the inputs that
+    require grad, number saved), or None when the graph cannot be split."""
+    need = [isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs]
+    wrt = [i for i, n in enumerate(need) if n]
+    if not wrt:
+        return None
+    mode = next(t.fake_mode for t in example_inputs if hasattr(t, "fake_mode"))
+
+    def joint(primals, tangents):
+        # the fakes require grad where the lifted tensors do (no detach: the forward
+        # graph is also what a higher order reruns, connected to its inputs)
+        ps = primals
+        with torch.enable_grad():
+            outs = graph(*ps)
+        pairs = [(o, t) for o, t in zip([o for o, d in zip(outs, differentiable) if d], tangents) if o.requires_grad]
+        if len(pairs) != sum(differentiable):
+            raise _NotSplit("a result's requires_grad differs from the trace")
+        grads = _vjp([o for o, _ in pairs], [t for _, t in pairs], [ps[i] for i in wrt], False)
+        return list(outs), list(grads)
+
+    metas = [(tuple(o.shape), tuple(o.stride()), o.dtype, o.device) for o, d in zip(_fake_outputs(graph), differentiable) if d]
+    with mode:
+        tangents = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype, device in metas]
+    try:
+        with torch.no_grad(), mode:
+            gm = make_fx(joint, tracing_mode="real", _allow_non_fake_inputs=False)(list(example_inputs), tangents)
+    except _NotSplit:
+        return None
+    split = _split(gm, len(differentiable))
+    if split is None:
+        return None
+    fw, bw, n_saved = split
+    return fw, Vjp(bw, tuple(metas)), n_saved
+
+
+class Vjp(torch.nn.Module):
+    """The vjp graph of a split create_graph graph, and the layout its cotangents were
+    traced with. (A module: a ctx attribute keyed by identity when a backward through
+    it is captured.)"""
+
+    def __init__(self, graph: fx.GraphModule, cotangents: tuple):
+        super().__init__()
+        self.graph = graph
+        self.cotangents = cotangents  # (shape, stride, dtype, device) per differentiable result
+
+    def forward(self, saved, cts):
+        args = list(saved)
+        for c, (shape, stride, dtype, device) in zip(cts, self.cotangents):
+            if c is None:
+                c = torch.zeros(shape, dtype=dtype, device=device)
+            if c.stride() != stride:  # the graph's views assume the traced layout
+                c = torch.empty_strided(shape, stride, dtype=dtype, device=device).copy_(c)
+            args.append(c)
+        return self.graph(*args)
+
+
+class _NotSplit(Exception):
+    pass
+
+
+def _fake_outputs(graph: fx.GraphModule):
+    out = next(n for n in graph.graph.nodes if n.op == "output")
+    return [a.meta["val"] for a in out.args[0]]
+
+
+def _split(gm: fx.GraphModule, n_results: int):
+    nodes = list(gm.graph.nodes)
+    for n in nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+            return None  # a mutation orders nodes beyond their data flow: keep the rerun
+    backward: set = set()
+    for n in nodes:
+        if n.op == "placeholder" and n.name.startswith("tangents"):
+            backward.add(n)
+        elif n.op == "call_function" and any(a in backward for a in n.all_input_nodes):
+            backward.add(n)
+    output = nodes[-1]
+    flat = list(output.args[0])  # make_fx flattens (results, grads)
+    results, grads = flat[:n_results], flat[n_results:]
+    if any(r in backward for r in results if isinstance(r, fx.Node)):
+        return None
+    saved = []
+    for n in nodes:
+        if n in backward or n.op in ("output", "get_attr"):
+            continue
+        if any(u in backward for u in n.users):
+            saved.append(n)
+    for g in grads:  # a grad computed without the cotangents (a zero, an input)
+        if isinstance(g, fx.Node) and g not in backward and g.op != "get_attr" and g not in saved:
+            saved.append(g)
+    consts = {n for n in nodes if n.op == "get_attr"}
+
+    def build(keep, inputs, outputs):
+        g = fx.Graph()
+        env = {}
+        for n in inputs:
+            env[n] = g.placeholder(n.name)
+            env[n].meta = dict(n.meta)
+        for n in nodes:
+            if n in keep and n not in env:
+                env[n] = g.node_copy(n, lambda a: env[a])
+        g.output([None if o is None else env[o] for o in outputs])
+        g.eliminate_dead_code()
+        return fx.GraphModule(gm, g)
+
+    primals = [n for n in nodes if n.op == "placeholder" and n.name.startswith("primals")]
+    tangents = [n for n in nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+    fwd_nodes = {n for n in nodes if n not in backward and n.op == "call_function"} | consts
+    fw = build(fwd_nodes, primals, list(results) + saved)
+    bw = build((backward - set(tangents)) | consts, saved + tangents, list(grads))
+    return fw, bw, len(saved)
 
 
 class DifferentiableGraph(torch.autograd.Function):
     @staticmethod
     def forward(ctx, entry, extra, *inputs):
+        n = entry.plan.num_results
+        res = list(entry(list(inputs) + list(extra)))
+        outs, saved = res[:n], res[n:]
         ctx.graph = entry.graph
+        ctx.vjp = entry.vjp
         ctx.extra = tuple(extra)
+        ctx.n_inputs = len(inputs)
         ctx.differentiable = entry.plan.differentiable
-        ctx.save_for_backward(*inputs)
         ctx.set_materialize_grads(False)  # an output nothing differentiates is left out
-        outs = list(entry(list(inputs) + list(extra)))
         seen = {id(t) for t in inputs}
         for i, o in enumerate(outs):
             # each output its own tensor: one that is an input, or returned twice, is viewed
             if id(o) in seen:
                 outs[i] = o = o.view_as(o)
             seen.add(id(o))
+        ctx.save_for_backward(*inputs, *saved)
         ctx.mark_non_differentiable(*[o for o, d in zip(outs, ctx.differentiable) if not d])
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *cts):
-        inputs = ctx.saved_tensors
+        everything = ctx.saved_tensors
+        inputs, saved = everything[: ctx.n_inputs], everything[ctx.n_inputs :]
         need = ctx.needs_input_grad[2:]
-        create = torch.is_grad_enabled()
-        if create:
-            # a higher order: rerun on the inputs themselves, connected to their history
-            prims = list(inputs)
-        else:
-            prims = [t.detach().requires_grad_(True) if n else t for t, n in zip(inputs, need)]
-        with torch.enable_grad():
-            outs = ctx.graph(*prims, *ctx.extra)
-        pairs = [(o, c) for o, c, d in zip(outs, cts, ctx.differentiable) if d and o.requires_grad and c is not None]
         wrt = [i for i, n in enumerate(need) if n]
         grads = [None] * len(inputs)
-        if pairs and wrt:
-            # eager's engine itself (not torch.autograd's routed global): this
-            # may run while a backward that contains this node is traced
-            got = torch.autograd.graph._engine_run_backward(
-                tuple(o for o, _ in pairs),
-                tuple(c for _, c in pairs),
-                create,  # keep_graph
-                create,
-                tuple(prims[i] for i in wrt),
-                True,  # allow_unreachable
-                False,  # accumulate_grad
-            )
-            for i, g in zip(wrt, got):
-                grads[i] = g
+        diff_cts = [c for c, d in zip(cts, ctx.differentiable) if d]
+        if not wrt or all(c is None for c in diff_cts):
+            return (None, None, *grads)
+        create = torch.is_grad_enabled()
+        if ctx.vjp is not None and not create:
+            got = ctx.vjp(saved, diff_cts)
+        else:
+            # rerun the graph in grad mode and differentiate it; under create_graph on the
+            # inputs themselves, connected to their history, so that higher orders work
+            prims = list(inputs) if create else [t.detach().requires_grad_(True) if n else t for t, n in zip(inputs, need)]
+            with torch.enable_grad():
+                outs = ctx.graph(*prims, *ctx.extra)[: len(cts)]
+            pairs = [(o, c) for o, c, d in zip(outs, cts, ctx.differentiable) if d and c is not None and o.requires_grad]
+            if not pairs:
+                return (None, None, *grads)
+            got = _vjp([o for o, _ in pairs], [c for _, c in pairs], [prims[i] for i in wrt], create)
+        for i, g in zip(wrt, got):
+            grads[i] = g
         return (None, None, *grads)

@@ -33,7 +33,7 @@ from .collect import collect
 from .logs import compile_status
 from .graph_task import in_graph_task
 from .trace import NotTwiceDifferentiable, capture_backward, guards_of, tensor_positions
-from .create_graph import DifferentiableGraph
+from .create_graph import DifferentiableGraph, split_joint
 
 log = logging.getLogger("compiled_autograd")
 
@@ -145,6 +145,11 @@ def _capture_and_compile(cfg: Config, collected, key, mask, reason: str, history
         raise _Fallback(f"create_graph=True through a node eager cannot differentiate twice ({e})") from e
     if create_graph and captured.plan.slots:
         raise _Fallback("create_graph=True with an opaque node")
+    vjp = None
+    if create_graph and any(captured.plan.differentiable):
+        split = in_graph_task(lambda: split_joint(captured.graph, captured.example_inputs, captured.plan.differentiable))
+        if split is not None:
+            captured.graph, vjp, _ = split
     t1 = time.perf_counter()
     names = tuple(n[0] for n in collected.capture.nodes())
     is_dynamic = captured.mask is not None and any(captured.mask)
@@ -172,6 +177,7 @@ def _capture_and_compile(cfg: Config, collected, key, mask, reason: str, history
         nodes=nodes,
         node_keys=_node_keys(collected.capture),
         compiled=not background,
+        vjp=vjp,
     )
     with LOCK:
         STATS.captures += 1
@@ -565,7 +571,7 @@ def _run_backward(
             mask, reason = _plan_capture(cfg, fam, collected)
             if create_graph:
                 mask, reason = None, reason + (" (create_graph=True: static shapes)" if mask else " (create_graph=True)")
-            pkey = diskcache.portable_key(key, collected.sizes) if cfg.disk_cache and mask is None else None
+            pkey = diskcache.portable_key(key, collected.sizes) if cfg.disk_cache and mask is None and not create_graph else None
             record = diskcache.load(pkey) if pkey is not None else None
             if record is not None:
                 entry = _entry_from_disk(cfg, collected, key, record, reason)

@@ -33,6 +33,7 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/functions/tensor.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_function.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -591,6 +592,7 @@ class GraphCapture {
     unpacked_proxies_ = to_variables(unpacked_proxies);
     unpack_in_graph_ = std::move(unpack_in_graph);
     TORCH_CHECK(sym_sizes.size() == call_.all_size_inputs.size(), "size count mismatch");
+    mark_task_outputs();
     state_ = std::make_unique<cad::TraceState>(
         std::vector<std::optional<c10::SymInt>>(sym_sizes), 0);
   }
@@ -671,6 +673,7 @@ class GraphCapture {
   }
 
   void end_trace() {
+    unmark_task_outputs();
     state_.reset();
     unpacked_proxies_.clear();
     unpack_in_graph_ = py::none();
@@ -797,6 +800,40 @@ class GraphCapture {
   }
 
  private:
+  // NOTE [Which outputs a node computes]
+  // A formula computes only the outputs its graph task needs
+  // (task_should_compute_output: with `inputs=`, a convolution's weight grad
+  // is skipped when only the input's grad is asked for). That reads the
+  // exec_info of the current graph task. The trace runs inside a one-node
+  // eager task of ours (graph_task.py), whose exec_info is empty: every
+  // output would be computed, and then dropped. So while the trace runs, that
+  // exec_info marks the nodes this backward runs, as the engine's would (it
+  // is empty again before the engine looks at it after our hook). Without
+  // `inputs=` eager's is empty too, and so is ours.
+  void mark_task_outputs() {
+    if (!filtered_ || marked_ != nullptr) {
+      return;
+    }
+    auto* info = const_cast<std::unordered_map<Node*, torch::autograd::GraphTask::ExecInfo>*>(
+        torch::autograd::get_current_graph_task_exec_info());
+    if (info == nullptr || !info->empty()) {
+      return;
+    }
+    for (auto& r : nodes_) {
+      if (r.execute || !r.captures.empty()) {
+        (*info)[r.fn.get()].needed_ = true;
+      }
+    }
+    marked_ = info;
+  }
+
+  void unmark_task_outputs() {
+    if (marked_ != nullptr) {
+      marked_->clear();
+      marked_ = nullptr;
+    }
+  }
+
   void fail(const std::string& why) {
     if (unsupported.empty()) {
       unsupported = why;
@@ -854,6 +891,7 @@ class GraphCapture {
     std::unordered_set<Node*> needed;
     std::unordered_map<Node*, std::vector<std::pair<uint32_t, size_t>>> capture_spec;
     const bool filtered = !output_edges.empty();
+    filtered_ = filtered;
     if (filtered) {
       std::unordered_set<Node*> targets;
       for (size_t i = 0; i < output_edges.size(); ++i) {
@@ -1101,6 +1139,8 @@ class GraphCapture {
   std::unique_ptr<cad::TraceState> state_;
   std::vector<at::Tensor> unpacked_proxies_;
   py::object unpack_in_graph_ = py::none();
+  bool filtered_ = false; // `inputs=` given: only the nodes leading to them run
+  std::unordered_map<Node*, torch::autograd::GraphTask::ExecInfo>* marked_ = nullptr;
 };
 
 // Swap a custom Function's saved tensors for proxies while Python traces its
