@@ -245,3 +245,75 @@ def test_inductor_gradient_penalty():
         _same(got, want, f"step {seed}")
     end = ca.stats()
     assert (end.captures - start.captures, end.hits - start.hits, end.eager_fallbacks) == (2, 2, 0), end
+
+
+def test_in_place_view_updates_split_where_the_mutation_is_of_a_fresh_temporary():
+    """CopySlices (an in-place update of a view) writes into a buffer it made: the split into
+    forward and vjp keeps every read of it on the same side of the write, so it is allowed,
+    and the second order is eager's (eager and compiled second backward)."""
+    def step(seed, first, second):
+        torch.manual_seed(seed)
+        x = torch.randn(4, 3, requires_grad=True)
+        y = x.clone()
+        y[1:] *= 3
+        with first:
+            (g,) = torch.autograd.grad(y.pow(3).sum(), x, create_graph=True)
+        with second:
+            (gg,) = torch.autograd.grad(g.pow(2).sum(), x)
+        return [g, gg]
+
+    _parity(step, "eager")
+    (entry,) = ca.graphs()
+    assert entry.vjp is not None
+    assert any("copy_" in str(n.target) for n in entry.graph.graph.nodes)
+
+    def compiled_second(seed, first, second):
+        return step(seed, first, first if isinstance(first, ca.enable) else second)
+
+    _parity(compiled_second, "eager", captures=1, hits=2)  # + the second backward, captured once
+
+
+def test_second_order_reads_saved_intermediates_instead_of_rerunning():
+    """NOTE [create_graph]: the compiled graph returns what its vjp reads; the vjp graph does
+    not recompute the first backward (no leaky_relu_backward of the first order in it)."""
+    D = _critic()
+    D[1] = torch.nn.LeakyReLU(0.2)
+    params = list(D.parameters())
+
+    def step(seed, first, second):
+        torch.manual_seed(seed)
+        x = torch.randn(4, 8, requires_grad=True)
+        for p in params:
+            p.grad = None
+        with first:
+            (g,) = torch.autograd.grad(D(x).sum(), x, create_graph=True)
+        g.pow(2).sum().backward()  # eager: through the vjp graph
+        return [g, *_grads(params)]
+
+    _parity(step, "eager")
+    (entry,) = ca.graphs()
+    assert entry.vjp is not None
+    first_order = [n for n in entry.graph.graph.nodes if "leaky_relu_backward" in str(n.target)]
+    vjp_ops = [str(n.target) for n in entry.vjp.graph.graph.nodes if n.op == "call_function"]
+    assert first_order and len(entry.graph.graph.find_nodes(op="output")[0].args[0]) > entry.plan.num_results
+    assert sum("leaky_relu_backward" in t for t in vjp_ops) == len(first_order), vjp_ops  # its derivative only
+
+
+def test_lifted_tensors_that_are_views_of_each_other_get_their_own_gradients():
+    """torch.cov saves x and a transposed view of it: two lifted inputs, one a view of the
+    other. The vjp must give each its own gradient (the engine then sends the view's into its
+    base); found by the conformance run, where the second order was twice eager's."""
+    w = torch.randn(2, 3)
+
+    def step(seed, first, second):
+        torch.manual_seed(seed)
+        x = torch.randn(2, 3, requires_grad=True)
+        with first:
+            (g,) = torch.autograd.grad((torch.cov(x.sin()) * w[:, :2]).sum(), x, create_graph=True)
+        (gg,) = torch.autograd.grad((g * w).sum(), x, create_graph=True)  # eager, through the vjp graph
+        with first:
+            (gg2,) = torch.autograd.grad((g * w).sum(), x, create_graph=True)  # compiled, rerun with grad
+        (ggg,) = torch.autograd.grad((gg2 * w).sum().exp(), x)
+        return [g, gg, gg2, ggg]
+
+    _parity(step, "eager", captures=2, hits=2)

@@ -63,9 +63,10 @@ def split_joint(graph: fx.GraphModule, example_inputs: list, differentiable: tup
     mode = next(t.fake_mode for t in example_inputs if hasattr(t, "fake_mode"))
 
     def joint(primals, tangents):
-        # the fakes require grad where the lifted tensors do (no detach: the forward
-        # graph is also what a higher order reruns, connected to its inputs)
-        ps = primals
+        # each input its own leaf: fakes keep the real tensors' view relations (a saved
+        # `x.t()` is a view of `x`), and the vjp must not send one input's gradient
+        # through another, since the engine does that itself with each input's grad_fn
+        ps = [p.detach().requires_grad_(True) if n else p for p, n in zip(primals, need)]
         with torch.enable_grad():
             outs = graph(*ps)
         pairs = [(o, t) for o, t in zip([o for o, d in zip(outs, differentiable) if d], tangents) if o.requires_grad]
@@ -86,7 +87,7 @@ def split_joint(graph: fx.GraphModule, example_inputs: list, differentiable: tup
     if split is None:
         return None
     fw, bw, n_saved = split
-    return fw, Vjp(bw, tuple(metas)), n_saved
+    return fw, Vjp(bw, tuple(metas), graph), n_saved
 
 
 class Vjp(torch.nn.Module):
@@ -94,10 +95,11 @@ class Vjp(torch.nn.Module):
     traced with. (A module: a ctx attribute keyed by identity when a backward through
     it is captured.)"""
 
-    def __init__(self, graph: fx.GraphModule, cotangents: tuple):
+    def __init__(self, graph: fx.GraphModule, cotangents: tuple, rerun: fx.GraphModule):
         super().__init__()
         self.graph = graph
         self.cotangents = cotangents  # (shape, stride, dtype, device) per differentiable result
+        self.rerun = rerun  # the graph before the split: results only (what a higher order reruns)
 
     def forward(self, saved, cts):
         args = list(saved)
@@ -119,17 +121,61 @@ def _fake_outputs(graph: fx.GraphModule):
     return [a.meta["val"] for a in out.args[0]]
 
 
+def _aliases(n: fx.Node) -> bool:
+    """Whether n's (first) result is a view of, or the same tensor as, an argument."""
+    if not isinstance(n.target, torch._ops.OpOverload):
+        return n.op == "call_function"  # getitem and the like: treat as aliasing
+    returns = n.target._schema.returns
+    return bool(returns) and returns[0].alias_info is not None
+
+
+def _base(n):
+    """The node whose fresh result `n` is, through views and in-place results."""
+    while isinstance(n, fx.Node) and n.op == "call_function" and _aliases(n) and n.args and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n
+
+
+def _written(n: fx.Node) -> list:
+    """The arguments an op writes to."""
+    out = []
+    for i, arg in enumerate(n.target._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            v = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
+            if isinstance(v, fx.Node):
+                out.append(v)
+            elif v is not None:
+                out.append(None)  # a list of tensors: not followed
+    return out
+
+
 def _split(gm: fx.GraphModule, n_results: int):
     nodes = list(gm.graph.nodes)
-    for n in nodes:
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
-            return None  # a mutation orders nodes beyond their data flow: keep the rerun
     backward: set = set()
     for n in nodes:
         if n.op == "placeholder" and n.name.startswith("tangents"):
             backward.add(n)
         elif n.op == "call_function" and any(a in backward for a in n.all_input_nodes):
             backward.add(n)
+    # A mutation orders nodes beyond their data flow, and the split moves every node that
+    # does not depend on the cotangents before every node that does. Safe: mutating a
+    # temporary made in the same part (double-backward formulas do, e.g. layer norm's) that
+    # no node of the other part read before the mutation. Anything else: keep the rerun.
+    order = {n: i for i, n in enumerate(nodes)}
+    readers: dict = {}
+    for n in nodes:
+        if n.op == "call_function":
+            for a in n.all_input_nodes:
+                readers.setdefault(_base(a), []).append(n)
+    for n in nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+            part = n in backward
+            for a in _written(n):
+                base = _base(a)
+                if base is None or base.op != "call_function" or _aliases(base) or (base in backward) != part:
+                    return None
+                if any((r in backward) != part for r in readers.get(base, ()) if order[r] < order[n]):
+                    return None
     output = nodes[-1]
     flat = list(output.args[0])  # make_fx flattens (results, grads)
     results, grads = flat[:n_results], flat[n_results:]
@@ -173,7 +219,7 @@ class DifferentiableGraph(torch.autograd.Function):
         n = entry.plan.num_results
         res = list(entry(list(inputs) + list(extra)))
         outs, saved = res[:n], res[n:]
-        ctx.graph = entry.graph
+        ctx.graph = entry.graph if entry.vjp is None else entry.vjp.rerun
         ctx.vjp = entry.vjp
         ctx.extra = tuple(extra)
         ctx.n_inputs = len(inputs)
@@ -204,8 +250,10 @@ class DifferentiableGraph(torch.autograd.Function):
             got = ctx.vjp(saved, diff_cts)
         else:
             # rerun the graph in grad mode and differentiate it; under create_graph on the
-            # inputs themselves, connected to their history, so that higher orders work
-            prims = list(inputs) if create else [t.detach().requires_grad_(True) if n else t for t, n in zip(inputs, need)]
+            # inputs, connected to their history, so that higher orders work
+            # (clones, not the inputs themselves: one input may be a view of another, and the
+            # vjp must not send one's gradient into the other, the engine does that after us)
+            prims = [(t.clone() if create else t.detach().requires_grad_(True)) if n else t for t, n in zip(inputs, need)]
             with torch.enable_grad():
                 outs = ctx.graph(*prims, *ctx.extra)[: len(cts)]
             pairs = [(o, c) for o, c, d in zip(outs, cts, ctx.differentiable) if d and c is not None and o.requires_grad]
