@@ -25,16 +25,21 @@ products, meta-learning. Ours:
     is compiled and run (results plus the intermediates the vjp reads, saved
     as eager's create_graph saves them), the rest the vjp graph, run by the
     Function's backward. A second backward under `enable()` traces that vjp
-    graph into its own graph, so it is compiled as well. Under create_graph
-    again (or when a graph cannot be split: it mutates), the backward reruns
-    the traced graph in grad mode on the real inputs themselves and
-    differentiates that, so third and higher orders work as in eager.
+    graph into its own graph, so it is compiled as well. Each input is its own
+    leaf in the joint: lifted tensors may be views of each other (torch.cov
+    saves x and x.t()), and the engine sends a view's gradient into its base
+    after the Function returns; the vjp must not do it too.
+  * under create_graph again (third and higher orders), or when the split could
+    reorder a mutation (`_split`), the backward reruns the traced graph in grad
+    mode on clones of the real inputs (connected to their history, one leaf
+    each) and differentiates that, so every order works as in eager.
   * AccumulateGrad applies the results in grad mode: it clones into `.grad`
     and adds out of place, as eager does under create_graph.
 
 What it does not take (falls back, with its reason): hooks, opaque nodes and
 saved-tensor hooks (their calls would run again, or return tensors without
-their autograd history), and dynamic shapes (each new size is a static graph).
+their autograd history). Its graphs are static (each new size is a new graph)
+and are not stored on disk.
 """
 
 from __future__ import annotations

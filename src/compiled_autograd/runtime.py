@@ -147,7 +147,11 @@ def _capture_and_compile(cfg: Config, collected, key, mask, reason: str, history
         raise _Fallback("create_graph=True with an opaque node")
     vjp = None
     if create_graph and any(captured.plan.differentiable):
-        split = in_graph_task(lambda: split_joint(captured.graph, captured.example_inputs, captured.plan.differentiable))
+        try:
+            split = in_graph_task(lambda: split_joint(captured.graph, captured.example_inputs, captured.plan.differentiable))
+        except Exception:  # the second order then reruns the graph: slower, as right
+            log.info("could not split a create_graph graph into forward and vjp", exc_info=True)
+            split = None
         if split is not None:
             captured.graph, vjp, _ = split
     t1 = time.perf_counter()
