@@ -92,7 +92,7 @@ def split_joint(graph: fx.GraphModule, example_inputs: list, differentiable: tup
     if split is None:
         return None
     fw, bw, n_saved = split
-    return fw, Vjp(bw, tuple(metas), graph), n_saved
+    return fw, Vjp(bw, tuple(metas), graph, tuple(wrt)), n_saved
 
 
 class Vjp(torch.nn.Module):
@@ -100,8 +100,9 @@ class Vjp(torch.nn.Module):
     traced with. (A module: a ctx attribute keyed by identity when a backward through
     it is captured.)"""
 
-    def __init__(self, graph: fx.GraphModule, cotangents: tuple, rerun: fx.GraphModule):
+    def __init__(self, graph: fx.GraphModule, cotangents: tuple, rerun: fx.GraphModule, wrt: tuple):
         super().__init__()
+        self.wrt = wrt  # the inputs whose grads it returns (those that require grad: in the key)
         self.graph = graph
         self.cotangents = cotangents  # (shape, stride, dtype, device) per differentiable result
         self.rerun = rerun  # the graph before the split: results only (what a higher order reruns)
@@ -251,7 +252,7 @@ class DifferentiableGraph(torch.autograd.Function):
         if not wrt or all(c is None for c in diff_cts):
             return (None, None, *grads)
         create = torch.is_grad_enabled()
-        if ctx.vjp is not None and not create:
+        if ctx.vjp is not None and not create and tuple(wrt) == ctx.vjp.wrt:
             got = ctx.vjp(saved, diff_cts)
         else:
             # rerun the graph in grad mode and differentiate it; under create_graph on the

@@ -36,6 +36,8 @@ def explain() -> str:
                 "started (eager unpacks each when its node runs; only checkpoint's and save_on_cpu's results are "
                 "known before they run, so these are alive together)"
             )
+        if c.get("create_graph"):
+            lines.append(f"    create_graph: {c['create_graph']}")
         if c.get("dynamic"):
             shown = ", ".join(c["dynamic"][:12]) + (" ..." if len(c["dynamic"]) > 12 else "")
             lines.append(f"    symbolic sizes: {shown}")
@@ -69,6 +71,9 @@ def dump(path) -> list[str]:
             f.write(f"# compiled_autograd graph {i}: {len(e.node_names)} autograd nodes, backend {e.backend}\n")
             f.write(f"# {e.reason}\n")
             f.write(e.graph.print_readable(print_output=False))
+            if e.vjp is not None:
+                f.write("\n# its vjp graph (create_graph=True: the backward of this graph's results)\n")
+                f.write(e.vjp.graph.print_readable(print_output=False))
         with open(base + ".txt", "w") as f:
             f.write(_describe_entry(e))
         dot = _dot(e)

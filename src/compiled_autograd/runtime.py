@@ -145,15 +145,20 @@ def _capture_and_compile(cfg: Config, collected, key, mask, reason: str, history
         raise _Fallback(f"create_graph=True through a node eager cannot differentiate twice ({e})") from e
     if create_graph and captured.plan.slots:
         raise _Fallback("create_graph=True with an opaque node")
-    vjp = None
+    vjp, how = None, None
+    if create_graph:
+        how = "no result requires grad: applied in grad mode, nothing to differentiate"
     if create_graph and any(captured.plan.differentiable):
         try:
             split = in_graph_task(lambda: split_joint(captured.graph, captured.example_inputs, captured.plan.differentiable))
         except Exception:  # the second order then reruns the graph: slower, as right
             log.info("could not split a create_graph graph into forward and vjp", exc_info=True)
             split = None
+        how = "the second order reruns this graph in grad mode (not split)"
         if split is not None:
-            captured.graph, vjp, _ = split
+            captured.graph, vjp, n_saved = split
+            how = (f"{sum(captured.plan.differentiable)} differentiable results; the graph also returns {n_saved} "
+                   f"tensors its vjp graph reads (the second order recomputes nothing)")
     t1 = time.perf_counter()
     names = tuple(n[0] for n in collected.capture.nodes())
     is_dynamic = captured.mask is not None and any(captured.mask)
@@ -192,7 +197,7 @@ def _capture_and_compile(cfg: Config, collected, key, mask, reason: str, history
         dict(reason=reason, nodes=len(names), backend=cfg.backend_label, opaque=[o[1:] for o in captured.plan.opaque],
              trace_seconds=t1 - t0, compile_seconds=t2 - t1, inputs=len(collected.lifted),
              dynamic=_describe_dynamic(collected, entry.dynamic), guards=entry.dynamic.guard_source if entry.dynamic else None,
-             background=background, **_unpacked_up_front(collected))
+             background=background, create_graph=how, **_unpacked_up_front(collected))
     )
     log.info("captured %d nodes (%s): trace %.2fs, compile %.2fs", len(names), reason, t1 - t0, t2 - t1)
     if background:
