@@ -351,3 +351,21 @@ def test_grad_with_inputs_computes_only_the_outputs_it_needs():
         conv(x).sum().backward()  # no inputs=: every grad
     masks = [n.args[-1] for e in ca.graphs() for n in e.graph.graph.nodes if "convolution_backward" in str(n.target)]
     assert sorted(masks) == [[True, False, False], [True, True, True]], masks
+
+
+def test_a_backward_whose_capture_fails_twice_is_not_traced_again():
+    calls = []
+
+    def broken_backend(gm, example_inputs):
+        calls.append(1)
+        raise RuntimeError("backend broke")
+
+    x = torch.randn(3, requires_grad=True)
+    for step in range(4):
+        x.grad = None
+        with ca.enable(broken_backend):
+            (x * (step + 2)).sin().sum().backward()
+        torch.testing.assert_close(x.grad, (step + 2) * torch.cos((step + 2) * x.detach()))
+    s = ca.stats()
+    assert len(calls) == 2 and s.eager_fallbacks == 4 and s.captures == 0, (len(calls), s)
+    assert sum(s.fallback_reasons.values()) == 4 and all("backend broke" in r for r in s.fallback_reasons), s

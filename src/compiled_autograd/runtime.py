@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 import warnings
+from collections import Counter
 from typing import Any, Callable, Sequence
 
 import torch
@@ -56,6 +57,13 @@ class _Fallback(Exception):
 _warned: set[str] = set()
 _capture_log: list[dict] = []
 _unsupported: dict[tuple, str] = {}  # key -> why its capture fell back (not traced again)
+_failures: Counter = Counter()  # key -> captures (trace, compile or first run) that raised
+MAX_CAPTURE_FAILURES = 2  # then that key runs eagerly without tracing it again
+
+
+def _mark_unsupported(key, reason: str) -> None:
+    if len(_unsupported) < 1024:
+        _unsupported[key] = reason
 
 
 def capture_log() -> list[dict]:
@@ -66,6 +74,7 @@ def reset_runtime() -> None:
     _warned.clear()
     _capture_log.clear()
     _unsupported.clear()
+    _failures.clear()
 
 
 def _global_state() -> tuple:
@@ -558,21 +567,21 @@ def _run_backward(
         return _fall_back(cfg, f"collection error: {str(e).splitlines()[0][:120]}", eager, user_error=True)
 
     key = (cfg.backend_key, _global_state(), cfg.opaque, create_graph, collected.key)
-    if create_graph:
+    reason = _unsupported.get(key) if _unsupported else None
+    if create_graph and reason is None and CACHE.family(key) is None:
         # (hooks, opaque nodes and saved-tensor hooks are in the key: checked once per key)
-        reason = _unsupported.get(key)
-        if reason is None and CACHE.family(key) is None:
-            reason = _create_graph_unsupported(collected)
-            if reason is not None and len(_unsupported) < 1024:
-                _unsupported[key] = reason
+        reason = _create_graph_unsupported(collected)
         if reason is not None:
-            capture.clear()
-            pause.resume()
-            return _fall_back(cfg, reason, eager)
-        capture.grad_mode = True  # AccumulateGrad applies the results as under create_graph
+            _mark_unsupported(key, reason)
+    if reason is not None:
+        capture.clear()
+        pause.resume()
+        return _fall_back(cfg, reason, eager)
+    capture.grad_mode = create_graph  # AccumulateGrad applies the results as under create_graph
     lifted = collected.lifted
     fam = CACHE.family(key)
     entry, extra = fam.lookup(collected.sizes, lifted) if fam is not None else (None, [])
+    missed = entry is None
     released = False
     try:
         if entry is None:
@@ -624,13 +633,17 @@ def _run_backward(
         capture.clear()
         pause.resume()
         if isinstance(e, _Fallback):
-            if len(_unsupported) < 1024:
-                _unsupported[key] = e.reason  # not traced again
+            _mark_unsupported(key, e.reason)
             return _fall_back(cfg, e.reason, eager)
         if cfg.fullgraph:
             raise
         log.debug("capture failed", exc_info=True)
-        return _fall_back(cfg, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}", eager)
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        if missed:
+            _failures[key] += 1
+            if _failures[key] >= MAX_CAPTURE_FAILURES:
+                _mark_unsupported(key, reason)
+        return _fall_back(cfg, reason, eager)
     if entry.plan.opaque:
         with LOCK:
             STATS.opaque_nodes += len(entry.plan.opaque)
