@@ -53,31 +53,10 @@ def _grads(params):
     return [None if p.grad is None else p.grad.clone() for p in params]
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_gradient_penalty_matches_eager(backend):
-    """WGAN-GP: the gradient of the critic with respect to its input, then the
-    penalty's backward to the weights, through the first backward's graph."""
-    D = _critic()
-    params = list(D.parameters())
-
-    def step(seed, first, second):
-        torch.manual_seed(seed)
-        x = torch.randn(4, 8, requires_grad=True)
-        for p in params:
-            p.grad = None
-        with first:
-            (g,) = torch.autograd.grad(D(x).sum(), x, create_graph=True)
-        gp = ((g.norm(2, dim=1) - 1) ** 2).mean()
-        with second:
-            gp.backward()
-        return [g, *_grads(params), x.grad]
-
-    _parity(step, backend)
-
-
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_gradient_penalty_with_the_second_backward_compiled_too(backend):
-    D = _critic()
+def _gradient_penalty_step(D, second_in_scope: bool):
+    """WGAN-GP: the gradient of the critic with respect to its input, then the penalty's
+    backward to the weights, through the first backward's graph: in the compiled scope too
+    (its double backward traced into a graph of its own), or in `second`."""
     params = list(D.parameters())
 
     def step(seed, first, second):
@@ -88,11 +67,24 @@ def test_gradient_penalty_with_the_second_backward_compiled_too(backend):
         with first:
             (g,) = torch.autograd.grad(D(x).sum(), x, create_graph=True)
             gp = ((g.norm(2, dim=1) - 1) ** 2).mean()
-            gp.backward()  # through the compiled first backward: its double backward is traced in
+            if second_in_scope:
+                gp.backward()
+        if not second_in_scope:
+            with second:
+                gp.backward()
         return [g, *_grads(params), x.grad]
 
-    # per step: the create_graph backward and the backward through it
-    _parity(step, backend, captures=2, hits=2)
+    return step
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("second_in_scope", [False, True])
+def test_gradient_penalty_matches_eager(backend, second_in_scope):
+    step = _gradient_penalty_step(_critic(), second_in_scope)
+    if second_in_scope:  # per step: the create_graph backward and the backward through it
+        _parity(step, backend, captures=2, hits=2)
+    else:
+        _parity(step, backend)
 
 
 def test_backward_create_graph_accumulates_differentiable_grads():
@@ -164,17 +156,8 @@ class _Twice(torch.autograd.Function):
         return 3 * g * x * x  # differentiable: a double backward goes through it
 
 
-class _Once(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x.pow(3)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 3 * g * x * x
+class _Once(_Twice):
+    backward = staticmethod(torch.autograd.function.once_differentiable(_Twice.backward))
 
 
 def test_custom_function_backward_is_differentiated_as_in_eager():
@@ -225,19 +208,7 @@ def test_hooks_with_create_graph_fall_back():
 
 
 def test_inductor_gradient_penalty():
-    D = _critic()
-    params = list(D.parameters())
-
-    def step(seed, first, second):
-        torch.manual_seed(seed)
-        x = torch.randn(4, 8, requires_grad=True)
-        for p in params:
-            p.grad = None
-        with first:
-            (g,) = torch.autograd.grad(D(x).sum(), x, create_graph=True)
-            ((g.norm(2, dim=1) - 1) ** 2).mean().backward()
-        return [g, *_grads(params), x.grad]
-
+    step = _gradient_penalty_step(_critic(), second_in_scope=True)
     start = ca.stats()
     for seed in range(2):
         want = step(seed, contextlib.nullcontext(), None)
@@ -278,19 +249,7 @@ def test_second_order_reads_saved_intermediates_instead_of_rerunning():
     not recompute the first backward (no leaky_relu_backward of the first order in it)."""
     D = _critic()
     D[1] = torch.nn.LeakyReLU(0.2)
-    params = list(D.parameters())
-
-    def step(seed, first, second):
-        torch.manual_seed(seed)
-        x = torch.randn(4, 8, requires_grad=True)
-        for p in params:
-            p.grad = None
-        with first:
-            (g,) = torch.autograd.grad(D(x).sum(), x, create_graph=True)
-        g.pow(2).sum().backward()  # eager: through the vjp graph
-        return [g, *_grads(params)]
-
-    _parity(step, "eager")
+    _parity(_gradient_penalty_step(D, second_in_scope=False), "eager")  # second backward eager: the vjp graph
     (entry,) = ca.graphs()
     assert entry.vjp is not None
     first_order = [n for n in entry.graph.graph.nodes if "leaky_relu_backward" in str(n.target)]
