@@ -258,6 +258,14 @@ def test_second_order_reads_saved_intermediates_instead_of_rerunning():
     assert sum("leaky_relu_backward" in t for t in vjp_ops) == len(first_order), vjp_ops  # its derivative only
 
 
+def test_explain_and_dump_show_the_split(tmp_path):
+    _parity(_gradient_penalty_step(_critic(), second_in_scope=False), "eager")
+    assert "create_graph: 1 differentiable results; the graph also returns" in ca.explain()
+    files = ca.dump(tmp_path)
+    code = open(next(f for f in files if f.endswith("graph_0.py"))).read()
+    assert "its vjp graph" in code and "tangents_1" in code
+
+
 def test_lifted_tensors_that_are_views_of_each_other_get_their_own_gradients():
     """torch.cov saves x and a transposed view of it: two lifted inputs, one a view of the
     other. The vjp must give each its own gradient (the engine then sends the view's into its
