@@ -639,7 +639,9 @@ def _run_backward(
             raise
         log.debug("capture failed", exc_info=True)
         reason = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-        if missed:
+        if missed and not STATS.compiles_pending:
+            # (not while a background compile runs: torch.fx's tracer keeps its patching
+            # state in a process global, and two traces at once can fail one of them)
             _failures[key] += 1
             if _failures[key] >= MAX_CAPTURE_FAILURES:
                 _mark_unsupported(key, reason)
