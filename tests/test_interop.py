@@ -9,8 +9,10 @@ did before, so each order runs in a fresh interpreter.
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
+import torch
 
 SCRIPT = textwrap.dedent(
     """
@@ -59,3 +61,44 @@ SCRIPT = textwrap.dedent(
 def test_both_compiled_autograds_in_one_process(order):
     r = subprocess.run([sys.executable, "-c", SCRIPT, order], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_fx_traces_in_two_threads_do_not_corrupt_each_other():
+    """NOTE [One fx trace at a time]: trace A starts, trace B starts in another thread, A ends
+    first. Without the lock, A's exit takes B's patcher from torch.fx's process global and B
+    fails with "CURRENT_PATCHER is None in finally block" (a capture racing a background
+    compile did, in a conformance run)."""
+    import threading
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import compiled_autograd  # noqa: F401  (installs the lock)
+
+    go = {"a": threading.Event(), "b": threading.Event()}
+    errors = []
+    original_call = torch.nn.Module.__call__
+
+    def traced(name):
+        def fn(x):
+            go[name].wait(5)
+            return x.sin()
+
+        def run():
+            try:
+                make_fx(fn)(torch.randn(3))
+            except Exception as e:  # pragma: no cover - the failure this test is about
+                errors.append(e)
+
+        return threading.Thread(target=run)
+
+    a, b = traced("a"), traced("b")
+    a.start()
+    time.sleep(0.2)
+    b.start()
+    time.sleep(0.2)
+    go["a"].set()
+    a.join(10)
+    go["b"].set()
+    b.join(10)
+    assert not errors, errors
+    assert torch.nn.Module.__call__ is original_call

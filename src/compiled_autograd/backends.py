@@ -22,6 +22,38 @@ from .config import BackendLike
 _lock = threading.RLock()
 
 
+# NOTE [One fx trace at a time]
+# torch.fx's tracer (make_fx uses it) patches `nn.Module.__call__` and
+# `__getattr__` for the length of a trace and keeps the patcher in a process
+# global (`torch.fx._symbolic_trace.CURRENT_PATCHER`). Two traces in two
+# threads -- ours in the user's thread, AOTAutograd's in a background compile
+# -- corrupt it: one fails with "CURRENT_PATCHER is None in finally block"
+# (seen in the create_graph conformance run with inductor), and one trace's
+# patches can stay installed. So every fx trace in the process holds one
+# reentrant lock: a trace in one thread waits for the other's to end (a
+# trace, not a whole compile).
+_trace_lock = threading.RLock()
+
+
+def _serialize_fx_traces() -> None:
+    import torch.fx._symbolic_trace as st
+
+    original = getattr(st, "_new_patcher", None)
+    if original is None or getattr(original, "_compiled_autograd", False):
+        return
+
+    @contextlib.contextmanager
+    def _new_patcher():
+        with _trace_lock, original() as patcher:
+            yield patcher
+
+    _new_patcher._compiled_autograd = True
+    st._new_patcher = _new_patcher
+
+
+_serialize_fx_traces()
+
+
 def compile_graph(
     backend: BackendLike,
     gm: torch.fx.GraphModule,
