@@ -250,3 +250,65 @@ def test_hook_returning_a_tensor_it_keeps_is_not_overwritten_by_the_graph():
 
     observe(build, backend="inductor")
     assert torch.equal(kept, torch.ones(16, 16))
+
+
+# --- hooks that return None for a gradient (NOTE [Undefined grads of opaque nodes]) ---
+
+
+def test_post_hook_returning_none_blocks_that_gradient_and_later_hooks_see_none():
+    # the hook blocks a's path on step 1 only: one graph follows both
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.set_materialize_grads(False)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return None if g is None else g * 3
+
+    def build(log, step):
+        a, b = leaf(3), leaf(3)
+        ap = Probe.apply(a)
+        ap.register_hook(lambda g: log.append(("ap hook", g)))
+        y = ap * b
+        y.grad_fn.register_hook(lambda gi, go: (None, gi[1]) if step == 1 else None)
+        return (y * 2).sum() + b.sum(), [a, b]
+
+    runs = observe(build, n_opaque=1)  # Probe: its backward may now see None
+    assert runs[1][2][0].grad is None  # step 1: a's only gradient was blocked
+
+
+def test_full_backward_hook_returning_none_blocks_the_module_input_gradient():
+    def build(log, step):
+        torch.manual_seed(0)
+        first, second = nn.Linear(4, 4), nn.Linear(4, 2)
+        second.register_full_backward_hook(lambda m, gi, go: log.append(("gi", gi[0])) or (None,))
+        x = leaf(3, 4)
+        return second(torch.tanh(first(x))).pow(2).sum(), [x, *first.parameters(), *second.parameters()]
+
+    runs = observe(build)
+    (_, _, leaves) = runs[1]
+    assert all(t.grad is None for t in leaves[:3])  # x and the first layer: blocked
+    assert all(t.grad is not None for t in leaves[3:])
+
+
+def test_pre_hook_returning_none_for_a_grad():
+    def build(log, step):
+        a, b = leaf(3), leaf(3)
+        z = (a * b).sin()
+        z.grad_fn.register_prehook(lambda go: (None,) if step == 0 else None)
+        return (z + a).sum(), [a, b]
+
+    observe(build)
+
+
+def test_hook_giving_a_gradient_where_none_was_raises_eagers_error():
+    x = leaf(3)
+    y = x.exp()
+    w = torch.randn(3)  # no grad: MulBackward0's second grad is None
+    z = y * w
+    z.grad_fn.register_hook(lambda gi, go: (gi[0], torch.ones(3)))
+    with pytest.raises(RuntimeError, match="can't replace a None gradient with a non-None value"):
+        with ca.enable("eager", fullgraph=True):
+            z.sum().backward()

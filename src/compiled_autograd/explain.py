@@ -91,7 +91,7 @@ def _describe_entry(e) -> str:
     if e.dynamic is not None:
         lines.append(f"symbolic size positions: {list(e.dynamic.symbolic)}")
         lines.append(f"guards: {e.dynamic.guard_source}")
-    for kind, node, mask in e.plan.slots:
+    for kind, node, *_ in e.plan.slots:
         if kind == "unpack":
             lines.append(f"opaque call: unpack hook of hooked saved tensor #{node}")
         else:

@@ -116,7 +116,13 @@ def call(
     flags: bool,
 ) -> list[torch.Tensor]:
     capture, slots, outside, hooks = _replay.stack[-1]
-    kind, node, mask = slots[slot]
+    kind, node, mask, in_flags = slots[slot]
+    if in_flags:
+        # the last argument says which arguments are defined: an undefined grad
+        # reached the graph as zeros (NOTE [Undefined grads of opaque nodes]),
+        # the hook or node gets None, as in eager
+        *args, defined = args
+        args = [a if d else None for a, d in zip(args, defined.tolist())]
     inside = _excluded()
     _set_excluded(outside)
     try:
@@ -200,17 +206,18 @@ def _conform(kind, capture, node, mask, outs, args, metas, flags):
     """Real outputs -> the defined, contiguous, non-aliasing tensors the graph expects.
 
     `mask[i]` says whether output i was defined when the graph was traced;
-    `metas` describes those outputs, in order. Hooks must not change which
-    gradients are defined. For an opaque node (flags=True) a missing grad
-    becomes zeros and a False flag, so the graph knows it was undefined; a
-    grad where none was expected goes nowhere (its edge is not in the graph)."""
+    `metas` describes those outputs, in order. With flags (opaque nodes and
+    hooks) a missing grad becomes zeros and a False flag, so the graph knows
+    it is undefined. A grad where none was expected: from an opaque node it
+    goes nowhere (its edge is not in the graph); a hook that makes a None grad
+    defined cannot be followed (the graph has no place for it) and raises."""
     # `outs` (the list the hook or node returned) is taken over: its entries are
     # cleared as they are read, so that a private tensor has no reference left but ours
     outs.extend([None] * (len(mask) - len(outs)))
-    if kind not in (NODE, UNPACK) and [o is not None for o in outs[: len(mask)]] != list(mask):
+    if kind not in (NODE, UNPACK) and any(o is not None and not m for o, m in zip(outs, mask)):
         raise RuntimeError(
-            f"compiled_autograd: {kind.replace('_', ' ')} of {capture.node_name(node)} changed which "
-            "gradients are None; the compiled graph cannot follow"
+            f"compiled_autograd: {kind.replace('_', ' ')} of {capture.node_name(node)} returned a gradient "
+            "where the backward had None; the compiled graph cannot follow"
         )
     result, present = [], []
     positions = [i for i, m in enumerate(mask) if m]

@@ -14,11 +14,17 @@ the node, validate_outputs, post-hooks. What each step becomes in the graph:
                          opaque call at its eager position
 
 NOTE [Undefined grads of opaque nodes]
-An opaque node's output that its edge expects is predicted defined. If at
-replay it is undefined, the call returns zeros and a False flag; values carry
-the flags they depend on ("defined iff any of these flags") through nodes and
+An opaque node's output that its edge expects is predicted defined, and so is
+what a hook returns for a defined grad. If at replay it is undefined (the node
+returned None, or a hook did: a module's full backward hook may return None to
+block a gradient), the call returns zeros and a False flag; values carry the
+flags they depend on ("defined iff any of these flags") through nodes and
 sums, and a graph result carrying flags gets a definedness output, so a leaf
 whose only gradient was undefined still ends with `.grad is None` as in eager.
+A call given such a value (a hook, an opaque node, AccumulateGrad) also gets
+its definedness and passes None where it is undefined, as eager would; traced
+formulas compute on the zeros, which is what theirs do with an undefined grad
+(and an all-undefined node's results carry only False flags).
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ MAX_OPAQUE_RETRIES = 16  # traces of one backward, each making one more node opa
 class Plan:
     """How to run and apply one captured graph (part of its cache entry)."""
 
-    slots: tuple  # (kind, node index, output mask) per opaque call
+    slots: tuple  # (kind, node index, output mask, takes definedness flags) per opaque call
     accumulate: tuple  # (node index, result index, flag result index or -1), applied after the graph
     captured: tuple  # (result index or -1, flag result index or -1) per grad() input
     opaque: tuple  # (node index, node name, reason)
@@ -62,7 +68,7 @@ class Plan:
     def reads_nodes(self) -> bool:
         """Whether an opaque call reads the autograd nodes (hooks, saved
         variables) while the graph runs; unpacking a hooked saved tensor does not."""
-        return any(kind != ops.UNPACK for kind, _, _ in self.slots)
+        return any(slot[0] != ops.UNPACK for slot in self.slots)
 
 
 class NeedsOpaque(Exception):
@@ -150,12 +156,32 @@ class _BackwardTracer:
     def _defined(bits):
         return torch.stack([flag[pos] for flag, pos in bits]).any()
 
+    def _defined_each(self, values):
+        """Per value (None counts as defined: the call gets None anyway), whether it is defined."""
+        true = None
+        out = []
+        for v in values:
+            if v is None or v.bits is None:
+                if true is None:
+                    true = torch.ones((), dtype=torch.bool)
+                out.append(true)
+            else:
+                out.append(self._defined(v.bits))
+        return torch.stack(out)
+
     # -- opaque calls --------------------------------------------------------
-    def _call(self, kind, node, args, out_metas, flags=False):
-        """One compiled_autograd::call; returns the outputs positionally (None where not predicted)."""
+    def _call(self, kind, node, args, out_metas, flags=False, values=None):
+        """One compiled_autograd::call; returns the outputs positionally (None where not predicted).
+
+        `values`: the _Values the tensors in `args` come from. Where one may be
+        undefined (it carries flags), the call also gets each argument's
+        definedness, and passes None for an undefined one, as eager would."""
         mask = tuple(m is not None for m in out_metas)
         slot = len(self.slots)
-        self.slots.append((kind, node, mask))
+        in_flags = values is not None and any(v is not None and v.bits is not None for v in values)
+        if in_flags:
+            args = list(args) + [self._defined_each(values)]
+        self.slots.append((kind, node, mask, in_flags))
         metas = [m for m in out_metas if m is not None]
         sizes, ranks, dtypes, devices = [], [], [], []
         for shape, dtype, device in metas:
@@ -169,10 +195,28 @@ class _BackwardTracer:
         positional = [next(it) if m else None for m in mask]
         return positional, flag
 
-    def _hook_call(self, kind, idx, values: list):
+    def _hook_call(self, kind, idx, values: list, extra=()):
+        """One call of a node's hooks on the grads `values` (post hooks also get the
+        node's inputs, `extra`). A hook may return None for a grad (a module's full
+        backward hook blocking a gradient): the call then returns zeros and a False
+        flag, and the grad is defined iff it was before and the flag is set (NOTE
+        [Undefined grads of opaque nodes])."""
         tensors = [v.t if v is not None else None for v in values]
-        outs, _ = self._call(kind, idx, tensors, [_meta(t) if t is not None else None for t in tensors])
-        return [None if o is None else _Value(o, v.bits) for o, v in zip(outs, values)]
+        metas = [_meta(t) if t is not None else None for t in tensors]
+        every = list(values) + list(extra)
+        outs, flag = self._call(kind, idx, [v.t if v is not None else None for v in every], metas, flags=True, values=every)
+        result, k = [], 0
+        for o, v in zip(outs, values):
+            if o is None:
+                result.append(None)
+                continue
+            if v.bits is None:
+                bits = ((flag, k),)
+            else:  # defined iff (any of v's flags) and this one
+                bits = ((torch.logical_and(self._defined(v.bits), flag[k]).reshape(1), 0),)
+            result.append(_Value(o, bits))
+            k += 1
+        return result
 
     # -- the loop -------------------------------------------------------------
     def run(self, args):
@@ -273,16 +317,16 @@ class _BackwardTracer:
                 self.accumulate.append((idx, r, f))
 
     def _post_hooks(self, idx, outputs, inputs):
-        outs_t = [v.t if v is not None else None for v in outputs]
-        ins_t = [v.t if v is not None else None for v in inputs]
-        new, _ = self._call(ops.POST_HOOKS, idx, outs_t + ins_t, [_meta(t) if t is not None else None for t in outs_t])
-        return [None if o is None else _Value(o, v.bits) for o, v in zip(new, outputs)]
+        return self._hook_call(ops.POST_HOOKS, idx, outputs, inputs)
 
     def _apply(self, idx, kind, values, args):
         if self._is_opaque(idx):
             return self._opaque_node(idx, values)
         tensors = [v.t if v is not None else None for v in values]
         if kind == PYNODE_KIND:
+            if not self.c.pynodes[idx].flags[0] and any(v is not None and v.bits is not None for v in values):
+                # its backward sees None for an undefined grad, and may branch on it
+                raise NeedsOpaque(idx, "set_materialize_grads(False) and a grad that may be None at run time")
             return self._pynode(idx, tensors, args)
         try:
             self.node_inputs = tensors
@@ -307,7 +351,7 @@ class _BackwardTracer:
                 m = (dims, dtype, device)
             metas.append(m)
         tensors = [v.t if v is not None else None for v in values]
-        outs, flag = self._call(ops.NODE, idx, tensors, metas, flags=True)
+        outs, flag = self._call(ops.NODE, idx, tensors, metas, flags=True, values=values)
         result, k = [], 0
         for o in outs:
             if o is None:
