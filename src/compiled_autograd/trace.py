@@ -104,8 +104,22 @@ def _sum(a: _Value | None, b: _Value | None) -> _Value | None:
         return b
     if b is None:
         return a
-    bits = None if a.bits is None or b.bits is None else a.bits + b.bits
+    bits = None if a.bits is None or b.bits is None else _union(a.bits, b.bits)
     return _Value(a.t + b.t, bits)
+
+
+def _union(*bit_sets) -> tuple:
+    """The flags of several values, each once: a grad summed from two paths
+    that carry the same flags, and every node after it, would otherwise double
+    its list at each such sum."""
+    seen, out = set(), []
+    for bits in bit_sets:
+        for b in bits:
+            k = (id(b[0]), b[1])
+            if k not in seen:
+                seen.add(k)
+                out.append(b)
+    return tuple(out)
 
 
 def _meta(t):
@@ -304,7 +318,7 @@ class _BackwardTracer:
         defined = [v for v in values if v is not None]
         if not defined or any(v.bits is None for v in defined):
             return None
-        return tuple(b for v in defined for b in v.bits)
+        return _union(*(v.bits for v in defined))
 
     def _accumulate(self, idx, v: _Value | None):
         if self.in_graph_accumulate:
