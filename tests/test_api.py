@@ -1,5 +1,6 @@
 """The API surface: backward/grad variants, scopes, nesting, threads, fallbacks."""
 
+import contextlib
 import threading
 import warnings
 
@@ -45,6 +46,30 @@ def test_backward_inputs_only_accumulates_into_those():
         (a * b).sum().backward(inputs=[a])
     assert b.grad is None
     torch.testing.assert_close(a.grad, b)
+
+
+def test_backward_inputs_with_a_non_leaf_accumulates_into_its_grad_as_eager():
+    # eager makes the non-leaf retain its grad; nodes only leading elsewhere do not run
+    def run(compiled, seed):
+        torch.manual_seed(seed)
+        x = torch.randn(3, requires_grad=True)
+        w = torch.randn(3, requires_grad=True)
+        h = x * w
+        loss = (h.sin() * w).sum()
+        ctx = ca.enable("eager", fullgraph=True) if compiled else contextlib.nullcontext()
+        with ctx:
+            loss.backward(inputs=[h, w], retain_graph=True)
+            loss.backward(inputs=[h])
+        return h.retains_grad, [h.grad, x.grad, w.grad]
+
+    for seed in (0, 1):
+        want_retains, want = run(False, seed)
+        got_retains, got = run(True, seed)
+        assert got_retains and want_retains
+        assert_grads_equal(got, want, what=f"seed {seed}")
+    s = ca.stats()
+    assert s.eager_fallbacks == 0, s.fallback_reasons
+    assert (s.captures, s.hits) == (2, 2), s
 
 
 def test_grad_with_respect_to_non_leaf():

@@ -100,7 +100,7 @@ def _precheck(roots, grads, create_graph, inputs, accumulate_grad) -> tuple[str 
         if not t.requires_grad:
             return "input does not require grad", True
         if accumulate_grad and t.grad_fn is not None:
-            return "backward(inputs=...) with a non-leaf input", False
+            t.retain_grad()  # what eager does for a non-leaf input of backward(): its grad lands in .grad
     if torch.is_anomaly_enabled() and (torch.is_anomaly_check_nan_enabled() or not STATS.compiles_pending):
         # (aot autograd turns anomaly mode on, without NaN checks, while it
         # compiles; that global flag is not the user's while ours compile)
