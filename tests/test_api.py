@@ -72,6 +72,44 @@ def test_backward_inputs_with_a_non_leaf_accumulates_into_its_grad_as_eager():
     assert (s.captures, s.hits) == (2, 2), s
 
 
+def test_gradient_edges_as_roots_and_inputs_match_eager():
+    # torch.autograd.graph.GradientEdge: of a built-in node, a custom Function's node,
+    # and leaves' AccumulateGrad; as grad() inputs, grad() roots and backward() roots
+    from torch.autograd.graph import get_gradient_edge as edge
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+
+    def run(compiled, seed):
+        torch.manual_seed(seed)
+        x = torch.randn(3, requires_grad=True)
+        w = torch.randn(3, requires_grad=True)
+        h = x * w
+        s = Square.apply(h)
+        out = s.sin()
+        loss = out.sum()
+        with ca.enable("eager", fullgraph=True) if compiled else contextlib.nullcontext():
+            (gh,) = torch.autograd.grad(loss, edge(h), retain_graph=True)
+            (gs,) = torch.autograd.grad(loss, edge(s), retain_graph=True)
+            gx, gw = torch.autograd.grad((edge(h),), (edge(x), edge(w)), grad_outputs=(gh,), retain_graph=True)
+            torch.autograd.backward((edge(out),), grad_tensors=(torch.ones(3),), inputs=[w])
+        return [gh, gs, gx, gw, w.grad, x.grad]
+
+    for seed in (0, 1):
+        assert_grads_equal(run(True, seed), run(False, seed), what=f"seed {seed}")
+    s = ca.stats()
+    assert s.eager_fallbacks == 0, s.fallback_reasons
+    assert (s.captures, s.hits) == (4, 4), s
+
+
 def test_grad_with_respect_to_non_leaf():
     x = torch.randn(3, requires_grad=True)
     h = x.exp()

@@ -87,19 +87,26 @@ def _global_state() -> tuple:
     )
 
 
+def _is_edge(e) -> bool:
+    """A GradientEdge (node, output_nr, ...); the native side checks the node."""
+    return isinstance(e, torch.autograd.graph.GradientEdge) and type(e[1]) is int
+
+
 def _precheck(roots, grads, create_graph, inputs, accumulate_grad) -> tuple[str | None, bool]:
     """(reason to run eagerly, whether eager is only there to raise the user's error)."""
     for r in roots:
         if not isinstance(r, torch.Tensor):
-            return "GradientEdge roots", False
-        if r.grad_fn is None and not r.requires_grad:
+            if not _is_edge(r):
+                return "root neither a tensor nor a GradientEdge", True
+        elif r.grad_fn is None and not r.requires_grad:
             return "root does not require grad", True
     for t in inputs:
         if not isinstance(t, torch.Tensor):
-            return "GradientEdge inputs", False
-        if not t.requires_grad:
+            if not _is_edge(t):
+                return "input neither a tensor nor a GradientEdge", True
+        elif not t.requires_grad:
             return "input does not require grad", True
-        if accumulate_grad and t.grad_fn is not None:
+        elif accumulate_grad and t.grad_fn is not None:
             t.retain_grad()  # what eager does for a non-leaf input of backward(): its grad lands in .grad
     if torch.is_anomaly_enabled() and (torch.is_anomaly_check_nan_enabled() or not STATS.compiles_pending):
         # (aot autograd turns anomaly mode on, without NaN checks, while it

@@ -457,10 +457,11 @@ class NodeTable {
 
 class GraphCapture {
  public:
+  // roots and inputs: tensors or GradientEdges (node, output_nr)
   GraphCapture(
-      const std::vector<at::Tensor>& roots,
+      const std::vector<py::handle>& roots,
       const std::vector<std::optional<at::Tensor>>& root_grads,
-      const std::vector<at::Tensor>& inputs,
+      const std::vector<py::handle>& inputs,
       bool accumulate_grad)
       : call_(cad::SizeInput::STATIC), accumulate_grad_(accumulate_grad) {
     collect(roots, root_grads, inputs);
@@ -931,24 +932,45 @@ class GraphCapture {
     }
   }
 
+  // The edge a root or an input stands for, as the engine's run_backward
+  // reads it: a tensor's gradient edge (an input leaf: its grad accumulator,
+  // if it has one), or a GradientEdge as given.
+  static Edge edge_of(py::handle obj, bool input) {
+    if (THPVariable_Check(obj.ptr())) {
+      const at::Tensor& t = THPVariable_Unpack(obj.ptr());
+      Edge e = torch::autograd::impl::gradient_edge(t);
+      if (input && !e.is_valid()) {
+        e = Edge(torch::autograd::impl::try_get_grad_accumulator(t), 0);
+      }
+      return e;
+    }
+    auto edge = py::reinterpret_borrow<py::tuple>(obj);
+    PyObject* node = edge[0].ptr();
+    c10::intrusive_ptr<Node> fn;
+    if (THPFunction_Check(node)) {
+      fn = reinterpret_cast<THPFunction*>(node)->cdata;
+    } else if (torch::autograd::THPCppFunction_Check(node)) {
+      fn = reinterpret_cast<torch::autograd::THPCppFunction*>(node)->cdata;
+    }
+    TORCH_CHECK(fn, "GradientEdge without an autograd node"); // checked in Python
+    return Edge(std::move(fn), edge[1].cast<uint32_t>());
+  }
+
   void collect(
-      const std::vector<at::Tensor>& roots,
+      const std::vector<py::handle>& roots,
       const std::vector<std::optional<at::Tensor>>& root_grads,
-      const std::vector<at::Tensor>& inputs) {
+      const std::vector<py::handle>& inputs) {
     for (size_t i = 0; i < roots.size(); ++i) {
-      Edge edge = torch::autograd::impl::gradient_edge(roots[i]);
+      Edge edge = edge_of(roots[i], false);
       TORCH_CHECK(edge.is_valid(), "root ", i, " has no grad_fn"); // checked in Python
       root_edges_.push_back(edge);
       const auto& g = root_grads[i];
       root_grads_.push_back(g.has_value() ? *g : at::Tensor());
     }
     std::vector<Edge> output_edges;
+    output_edges.reserve(inputs.size());
     for (auto& t : inputs) {
-      Edge e = torch::autograd::impl::gradient_edge(t);
-      if (!e.is_valid()) {
-        e = Edge(torch::autograd::impl::try_get_grad_accumulator(t), 0);
-      }
-      output_edges.push_back(e);
+      output_edges.push_back(edge_of(t, true));
     }
 
     // -- reachable graph and dependency counts (one map for both, sized
@@ -1281,9 +1303,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<GraphCapture>(m, "GraphCapture", py::module_local())
       .def(
           py::init<
-              const std::vector<at::Tensor>&,
+              const std::vector<py::handle>&,
               const std::vector<std::optional<at::Tensor>>&,
-              const std::vector<at::Tensor>&,
+              const std::vector<py::handle>&,
               bool>())
       .def_readonly("unsupported", &GraphCapture::unsupported)
       .def("key", &GraphCapture::key)
