@@ -54,6 +54,13 @@ def _serialize_fx_traces() -> None:
 _serialize_fx_traces()
 
 
+def keeps_buffers(backend: BackendLike) -> bool:
+    """Whether the code `backend` compiles writes only into memory it allocates for that
+    write (NOTE [Stealing a fresh grad] in ops.py): the eager graph and aot_eager run
+    functional aten ops. Inductor reuses dead buffers in place; a user's backend is unknown."""
+    return isinstance(backend, str) and backend in ("eager", "aot_eager")
+
+
 def compile_graph(
     backend: BackendLike,
     gm: torch.fx.GraphModule,

@@ -70,6 +70,9 @@ class CompiledBackward:
     # create_graph=True: the vjp graph of `graph`, which then returns its results and what the vjp
     # reads (NOTE [create_graph] in create_graph.py)
     vjp: Any = None  # create_graph.Vjp
+    # the compiled code writes only into memory it allocates for that write (eager,
+    # aot_eager): in-graph AccumulateGrad may steal a fresh grad (NOTE [Stealing a fresh grad])
+    steals: bool = False
 
     def __call__(self, args: list):
         """Run the graph. A boxed callable (backends.BOXED) takes the list

@@ -56,7 +56,9 @@ MAX_OPAQUE_RETRIES = 16  # traces of one backward, each making one more node opa
 class Plan:
     """How to run and apply one captured graph (part of its cache entry)."""
 
-    slots: tuple  # (kind, node index, output mask, takes definedness flags) per opaque call
+    # per opaque call: (kind, node index, output mask, takes definedness flags, fresh), where
+    # fresh: an ACCUMULATE call's grad is memory the graph made (NOTE [Stealing a fresh grad], ops.py)
+    slots: tuple
     accumulate: tuple  # (node index, result index, flag result index or -1), applied after the graph
     captured: tuple  # (result index or -1, flag result index or -1) per grad() input
     opaque: tuple  # (node index, node name, reason)
@@ -195,7 +197,7 @@ class _BackwardTracer:
         in_flags = values is not None and any(v is not None and v.bits is not None for v in values)
         if in_flags:
             args = list(args) + [self._defined_each(values)]
-        self.slots.append((kind, node, mask, in_flags))
+        self.slots.append((kind, node, mask, in_flags, False))
         metas = [m for m in out_metas if m is not None]
         sizes, ranks, dtypes, devices = [], [], [], []
         for shape, dtype, device in metas:
@@ -623,7 +625,7 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
             if tracer.nodes[i][2] and tracer._is_opaque(i)
         )
         plan = Plan(
-            slots=tuple(tracer.slots),
+            slots=_mark_fresh_grads(gm, tracer.slots),
             accumulate=tuple(tracer.accumulate),
             captured=tuple(out["captured"]),
             opaque=opaque,
@@ -632,6 +634,25 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
         )
         return Captured(gm, plan, fakes + symints, real_mask, size_inputs, None, shape_env)
     raise RuntimeError("compiled_autograd: could not trace this backward")
+
+
+def _mark_fresh_grads(gm: torch.fx.GraphModule, slots: list) -> tuple:
+    """Mark the ACCUMULATE calls whose grad is memory the graph itself made: an op's
+    result, or a view of one, rather than (a view of) a graph input, which is a tensor
+    the user or the autograd graph still holds (NOTE [Stealing a fresh grad], ops.py)."""
+    from .create_graph import _aliases, _base
+
+    slots = list(slots)
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not torch.ops.compiled_autograd.call.default:
+            continue
+        slot = n.args[0]
+        if slots[slot][0] != ops.ACCUMULATE or not n.args[1] or not isinstance(n.args[1][0], torch.fx.Node):
+            continue
+        base = _base(n.args[1][0])
+        if isinstance(base, torch.fx.Node) and base.op == "call_function" and not _aliases(base):
+            slots[slot] = slots[slot][:4] + (True,)
+    return tuple(slots)
 
 
 class NotTwiceDifferentiable(Exception):

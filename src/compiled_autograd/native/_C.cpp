@@ -834,6 +834,20 @@ class GraphCapture {
     (*nodes_.at(idx).fn)(std::move(in));
   }
 
+  // accumulate() for the tensor in holder[0], which the caller refers to
+  // nowhere else: holder[0] is dropped first, so AccumulateGrad may steal the
+  // tensor as eager's does (NOTE [Stealing a fresh grad] in ops.py).
+  void accumulate_owned(size_t idx, py::list holder) {
+    py::object item = holder[0];
+    at::Tensor grad = THPVariable_Unpack(item.ptr());
+    holder[0] = py::none();
+    item = py::object();
+    at::NoGradGuard no_grad;
+    variable_list in;
+    in.emplace_back(std::move(grad));
+    (*nodes_.at(idx).fn)(std::move(in));
+  }
+
   // Accumulate the graph's results for the nodes listed in `acc` (node index,
   // result index), dropping Python's references first so that AccumulateGrad
   // may steal the buffer as eager does. Returns the results of grad().
@@ -1334,6 +1348,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("call_post_hooks", &GraphCapture::call_post_hooks)
       .def("call_node", &GraphCapture::call_node)
       .def("accumulate", &GraphCapture::accumulate)
+      .def("accumulate_owned", &GraphCapture::accumulate_owned)
       .def("apply_results", &GraphCapture::apply_results)
       .def("release", &GraphCapture::release)
       .def("drop_lifted", &GraphCapture::drop_lifted)
