@@ -170,6 +170,9 @@ class _BackwardTracer:
 
     @staticmethod
     def _defined(bits):
+        if len(bits) == 1:  # the common case (one hook or opaque node upstream): no stack, no reduction
+            flag, pos = bits[0]
+            return flag[pos]
         return torch.stack([flag[pos] for flag, pos in bits]).any()
 
     def _defined_each(self, values):
