@@ -38,7 +38,7 @@ from benchmarks.report import write_report  # noqa: E402
 
 _OMP_ACTIVE = False
 
-WORKLOADS = ["mlp256", "mlp1024", "transformer", "cnn", "chain", "stream", "checkpointed", "gradient_penalty"]
+WORKLOADS = ["mlp256", "mlp1024", "transformer", "cnn", "chain", "stream", "checkpointed", "gradient_penalty", "hooked"]
 MODES = ["eager", "torch-ca:aot_eager", "torch-ca:inductor", "ours:aot_eager", "ours:inductor"]
 
 

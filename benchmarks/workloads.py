@@ -52,6 +52,24 @@ def _mlp(d: int, quick: bool) -> Workload:
     )
 
 
+def _hooked(quick: bool) -> Workload:
+    """The D=1024 MLP with a post-accumulate-grad hook on every parameter, as DDP's reducer
+    has one: each `.grad` must be set, and its hook run, at the point eager sets it."""
+    wl = _mlp(1024, quick)
+    bucket = []
+    for p in wl.params:
+        p.register_post_accumulate_grad_hook(lambda p: bucket.append(p.grad))
+    forward = wl.loss
+
+    def loss():
+        bucket.clear()
+        return forward()
+
+    wl.loss = loss
+    wl.description += "; a post-accumulate-grad hook on every parameter (DDP-like: it collects each .grad)"
+    return wl
+
+
 def _transformer(quick: bool, checkpointed: bool = False) -> Workload:
     if quick:
         layers, d, heads, ff, batch, seq = 1, 32, 2, 64, 2, 8
@@ -202,7 +220,7 @@ def _stream(quick: bool) -> Stream:
     )
 
 
-WORKLOADS = ["mlp256", "mlp1024", "transformer", "cnn", "chain", "stream", "checkpointed", "gradient_penalty"]
+WORKLOADS = ["mlp256", "mlp1024", "transformer", "cnn", "chain", "stream", "checkpointed", "gradient_penalty", "hooked"]
 
 
 def build(name: str, quick: bool = False):
@@ -227,6 +245,8 @@ def _build(name: str, quick: bool):
         return _chain(quick)
     if name == "gradient_penalty":
         return _gradient_penalty(quick)
+    if name == "hooked":
+        return _hooked(quick)
     if name == "stream":
         return _stream(quick)
     raise ValueError(f"unknown workload {name!r} (known: {', '.join(WORKLOADS)})")

@@ -150,3 +150,32 @@ def test_in_graph_accumulate_steals_a_fresh_grad_as_eager_and_copies_a_users_ten
             if step == 1:  # a hit: no copy beyond eager's (the hook's clones are in both)
                 assert copies <= eager_copies, (backend, copies, eager_copies)
         ca.reset()
+
+
+def test_inductor_in_graph_accumulate_steals_safely():
+    # NOTE [Stealing a fresh grad] with inductor: two same-shape weights accumulated in the
+    # graph (hooks), whose grad buffers inductor would reuse for one another were they not
+    # graph outputs; and a zero pad, whose backward (a pad by zero) inductor turns into the
+    # user's root grad itself, which must not become x.grad (the user changes it afterwards)
+    def run(compiled, step):
+        torch.manual_seed(step)
+        w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+        x = torch.randn(4, 8, requires_grad=True)
+        for p in (w1, w2, x):
+            p.register_post_accumulate_grad_hook(lambda p: None)
+        a = torch.randn(4, 8)
+        g = torch.randn(4, 8)
+        out = torch.tanh(torch.tanh(a @ w1) @ w2) + torch.nn.functional.pad(x, (0, 0))
+        if compiled:
+            with ca.enable("inductor", fullgraph=True, background=False):
+                out.backward(g)
+        else:
+            out.backward(g)
+        g.add_(1.0)
+        return [w1.grad, w2.grad, x.grad]
+
+    for step in range(2):
+        for got, want in zip(run(True, step), run(False, step)):
+            torch.testing.assert_close(got, want)
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s

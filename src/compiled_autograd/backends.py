@@ -54,11 +54,11 @@ def _serialize_fx_traces() -> None:
 _serialize_fx_traces()
 
 
-def keeps_buffers(backend: BackendLike) -> bool:
-    """Whether the code `backend` compiles writes only into memory it allocates for that
-    write (NOTE [Stealing a fresh grad] in ops.py): the eager graph and aot_eager run
-    functional aten ops. Inductor reuses dead buffers in place; a user's backend is unknown."""
-    return isinstance(backend, str) and backend in ("eager", "aot_eager")
+def may_steal(backend: BackendLike) -> bool:
+    """Whether the code `backend` compiles never writes into a graph output, nor returns
+    an input as a fresh buffer other than as we check (NOTE [Stealing a fresh grad] in
+    ops.py): ours. A user's backend is unknown."""
+    return isinstance(backend, str) and backend in ("eager", "aot_eager", "inductor")
 
 
 def compile_graph(

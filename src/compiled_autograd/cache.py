@@ -70,8 +70,8 @@ class CompiledBackward:
     # create_graph=True: the vjp graph of `graph`, which then returns its results and what the vjp
     # reads (NOTE [create_graph] in create_graph.py)
     vjp: Any = None  # create_graph.Vjp
-    # the compiled code writes only into memory it allocates for that write (eager,
-    # aot_eager): in-graph AccumulateGrad may steal a fresh grad (NOTE [Stealing a fresh grad])
+    # in-graph AccumulateGrad may steal a fresh grad from this backend's code (NOTE
+    # [Stealing a fresh grad] in ops.py)
     steals: bool = False
 
     def __call__(self, args: list):

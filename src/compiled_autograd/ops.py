@@ -94,10 +94,10 @@ def _set_excluded(flags):
 class replaying:
     """Context of one compiled graph run: where its slots resolve."""
 
-    def __init__(self, capture, slots, hooks=(), steal=False):
+    def __init__(self, capture, slots, hooks=(), steal=None):
         # hooks: (unpack_hook, packed) per hooked saved tensor, for UNPACK slots;
-        # steal: the graph's code writes only into memory it allocates for that
-        # write (NOTE [Stealing a fresh grad])
+        # steal: None, or the graph inputs' storages when ACCUMULATE calls may
+        # steal a fresh grad (NOTE [Stealing a fresh grad])
         self.frame = (capture, slots, _excluded(), hooks, steal)
 
     def __enter__(self):
@@ -129,7 +129,7 @@ def call(
     _set_excluded(outside)
     try:
         if kind == ACCUMULATE:
-            return _accumulate(capture, node, args, steal and fresh)
+            return _accumulate(capture, node, args, steal if fresh else None)
         return _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, flags, hooks)
     finally:
         _set_excluded(inside)
@@ -160,26 +160,38 @@ def _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, fl
     return _conform(kind, capture, node, mask, outs, args, list(_unpack_meta(sizes, ranks, dtypes, devices)), flags)
 
 
-def _accumulate(capture, node, args, steal: bool):
+def input_storages(args) -> frozenset:
+    """The storages (by address) of a graph's tensor inputs."""
+    return frozenset(t.untyped_storage().data_ptr() for t in args if isinstance(t, torch.Tensor))
+
+
+def _accumulate(capture, node, args, steal):
     """NOTE [Stealing a fresh grad]
     AccumulateGrad runs inside the graph when hooks or opaque nodes could
     observe `.grad` (DDP's reducer, module hooks). Eager's AccumulateGrad takes
     the incoming grad as `.grad` without a copy when nothing else refers to it
     (it "steals" it); here the graph's code still refers to it, so it would copy
     every parameter's gradient (a 4 MB copy, and fresh pages to fault in, per
-    weight of the D=1024 MLP: 1.3-1.8x eager's backward with module hooks).
-    When the grad is memory the graph made (an op's result or a view of one,
-    not a graph input: `fresh`, from the traced graph) and the compiled code
-    never writes into memory it did not allocate for that write (the eager and
-    aot_eager backends: functional aten ops; not inductor, which reuses dead
-    buffers in place and may turn a no-op into its input), AccumulateGrad gets
-    a new tensor on that memory that nothing else refers to, and applies its
-    own rule to it: steal it if the layout contract holds, else copy, exactly
-    as eager decides for the grad its engine hands it."""
+    weight of the D=1024 MLP: 1.3-1.8x eager's backward with such hooks, where
+    it is 0.8-1.0x without). So AccumulateGrad gets a new tensor on the grad's
+    memory that nothing else refers to, and applies its own rule to it (steal
+    if the layout contract holds, else copy), as eager decides for the grad its
+    engine hands it, when that memory is the graph's own and nothing writes
+    into it afterwards:
+      * the traced graph computed it (an op's result or a view of one, not a
+        view of a graph input: `fresh`, trace._mark_fresh_grads), and made it an
+        extra graph output: no backend reuses a graph output's buffer, or
+        writes into it in place, before returning it (inductor's memory
+        planning frees and reuses only dead buffers);
+      * at run time its storage is none of the graph inputs' (`steal`: their
+        addresses): inductor removes no-ops, so `grad * 1` of a root grad the
+        user holds can arrive as that very tensor;
+      * the backend is ours (eager, aot_eager, inductor); a user's may do
+        anything, and gets the copy."""
     grad, defined = args[0], (args[1] if len(args) > 1 else None)
     if grad is None or (defined is not None and not bool(defined)):
         return []
-    if steal:
+    if steal is not None and grad.untyped_storage().data_ptr() not in steal:
         holder = [grad.detach()]  # the only reference to the new tensor: AccumulateGrad may keep it
         del grad
         capture.accumulate_owned(node, holder)

@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import diskcache, native
-from .backends import BOXED, compile_graph, keeps_buffers
+from .backends import BOXED, compile_graph, may_steal
 from .cache import CACHE, CompiledBackward, Dynamic
 from .config import Config
 from .stats import LOCK, STATS
@@ -192,7 +192,7 @@ def _capture_and_compile(cfg: Config, collected, key, mask, reason: str, history
         graph=captured.graph,
         plan=captured.plan,
         backend=cfg.backend_name,
-        steals=keeps_buffers(cfg.backend),
+        steals=may_steal(cfg.backend),
         node_names=names,
         num_inputs=len(collected.lifted),
         reason=reason,
@@ -240,7 +240,7 @@ def _entry_from_disk(cfg: Config, collected, key, record, reason: str) -> Compil
         graph=gm,
         plan=record["plan"],
         backend=cfg.backend_name,
-        steals=keeps_buffers(cfg.backend),
+        steals=may_steal(cfg.backend),
         node_names=record["node_names"],
         num_inputs=record["num_inputs"],
         reason=reason + " (graph loaded from the disk cache)",
@@ -484,8 +484,12 @@ def _replay(entry: CompiledBackward, capture, lifted, extra, hooks):
             return list(DifferentiableGraph.apply(entry, extra, *lifted))
     args = list(lifted) + extra if extra else lifted
 
+    # NOTE [Stealing a fresh grad] (ops.py): the storages of the graph's inputs, which a
+    # stolen grad must not share (a compiler may turn a no-op on an input into the input)
+    steal = ops.input_storages(args) if entry.steals and entry.plan.steals else None
+
     def run():
-        with ops.replaying(capture, entry.plan.slots, hooks, entry.steals), torch.no_grad():
+        with ops.replaying(capture, entry.plan.slots, hooks, steal), torch.no_grad():
             return list(entry(args))
 
     if entry.plan.slots:

@@ -29,6 +29,7 @@ formulas compute on the zeros, which is what theirs do with an undefined grad
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +66,12 @@ class Plan:
     num_results: int
     # create_graph=True: per graph result, whether eager's would require grad (NOTE [create_graph])
     differentiable: tuple | None = None
+
+    @functools.cached_property
+    def steals(self) -> bool:
+        """Whether an ACCUMULATE call may hand AccumulateGrad the graph's own buffer
+        (NOTE [Stealing a fresh grad], ops.py)."""
+        return any(slot[0] == ops.ACCUMULATE and slot[4] for slot in self.slots)
 
     @property
     def reads_nodes(self) -> bool:
@@ -642,10 +649,13 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
 def _mark_fresh_grads(gm: torch.fx.GraphModule, slots: list) -> tuple:
     """Mark the ACCUMULATE calls whose grad is memory the graph itself made: an op's
     result, or a view of one, rather than (a view of) a graph input, which is a tensor
-    the user or the autograd graph still holds (NOTE [Stealing a fresh grad], ops.py)."""
+    the user or the autograd graph still holds. Each such grad also becomes an extra
+    graph output (after the results the plan reads), so that no compiler reuses its
+    buffer, or writes into it, after the call (NOTE [Stealing a fresh grad], ops.py)."""
     from .create_graph import _aliases, _base
 
     slots = list(slots)
+    fresh = []
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is not torch.ops.compiled_autograd.call.default:
             continue
@@ -655,6 +665,11 @@ def _mark_fresh_grads(gm: torch.fx.GraphModule, slots: list) -> tuple:
         base = _base(n.args[1][0])
         if isinstance(base, torch.fx.Node) and base.op == "call_function" and not _aliases(base):
             slots[slot] = slots[slot][:4] + (True,)
+            fresh.append(n.args[1][0])
+    if fresh:
+        output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        output.args = (list(output.args[0]) + fresh,)
+        gm.recompile()
     return tuple(slots)
 
 
