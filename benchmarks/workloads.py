@@ -56,17 +56,14 @@ def _hooked(quick: bool) -> Workload:
     """The D=1024 MLP with a post-accumulate-grad hook on every parameter, as DDP's reducer
     has one: each `.grad` must be set, and its hook run, at the point eager sets it."""
     wl = _mlp(1024, quick)
-    bucket = []
+    seen = [0]
+
+    def hook(p):
+        seen[0] += p.grad.numel()  # reads the .grad just set, keeps no reference to it
+
     for p in wl.params:
-        p.register_post_accumulate_grad_hook(lambda p: bucket.append(p.grad))
-    forward = wl.loss
-
-    def loss():
-        bucket.clear()
-        return forward()
-
-    wl.loss = loss
-    wl.description += "; a post-accumulate-grad hook on every parameter (DDP-like: it collects each .grad)"
+        p.register_post_accumulate_grad_hook(hook)
+    wl.description += "; a post-accumulate-grad hook on every parameter (DDP-like: it reads each .grad as it is set)"
     return wl
 
 

@@ -625,11 +625,11 @@ def _run_backward(
         else:
             with LOCK:
                 STATS.hits += 1
-            if not keep_graph and not entry.plan.reads_nodes and getattr(entry.fn, BOXED, False):
+            if not keep_graph and not entry.plan.reads_saved and getattr(entry.fn, BOXED, False):
                 # NOTE [Boxed graphs free their inputs]: the graph gets the only
                 # references to the saved tensors, and frees each after its last
-                # use. No opaque call needs the nodes' saved variables (an
-                # unpack hook's packed value is held by `collected.hooks`).
+                # use. No opaque call needs the nodes' saved variables (Plan.reads_saved;
+                # an unpack hook's packed value is held by `collected.hooks`).
                 args = lifted + extra
                 lifted.clear()
                 capture.drop_lifted()

@@ -66,6 +66,12 @@ class Plan:
     num_results: int
     # create_graph=True: per graph result, whether eager's would require grad (NOTE [create_graph])
     differentiable: tuple | None = None
+    # whether an opaque call may read a node's saved tensors while the graph runs: an opaque
+    # node, or a hook on a node that has any (a user's hook may read `grad_fn._saved_*`, alive
+    # in eager while that node's hooks run). AccumulateGrad, the hooks on it (a leaf's tensor
+    # hooks, DDP's) and unpack hooks read none, so the saved tensors can be freed inside the
+    # graph at their last use (NOTE [Boxed graphs free their inputs], backends.py)
+    reads_saved: bool = True
 
     @functools.cached_property
     def steals(self) -> bool:
@@ -73,11 +79,6 @@ class Plan:
         (NOTE [Stealing a fresh grad], ops.py)."""
         return any(slot[0] == ops.ACCUMULATE and slot[4] for slot in self.slots)
 
-    @property
-    def reads_nodes(self) -> bool:
-        """Whether an opaque call reads the autograd nodes (hooks, saved
-        variables) while the graph runs; unpacking a hooked saved tensor does not."""
-        return any(slot[0] != ops.UNPACK for slot in self.slots)
 
 
 class NeedsOpaque(Exception):
@@ -641,6 +642,10 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
             opaque=opaque,
             num_results=len(tracer.results),
             differentiable=differentiable,
+            reads_saved=any(
+                kind == ops.NODE or (kind != ops.UNPACK and kind != ops.ACCUMULATE and tracer.nodes[node][1] != ACCUMULATE_KIND)
+                for kind, node, *_ in tracer.slots
+            ),
         )
         return Captured(gm, plan, fakes + symints, real_mask, size_inputs, None, shape_env)
     raise RuntimeError("compiled_autograd: could not trace this backward")
