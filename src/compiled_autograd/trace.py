@@ -642,13 +642,29 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
             opaque=opaque,
             num_results=len(tracer.results),
             differentiable=differentiable,
-            reads_saved=any(
-                kind == ops.NODE or (kind != ops.UNPACK and kind != ops.ACCUMULATE and tracer.nodes[node][1] != ACCUMULATE_KIND)
-                for kind, node, *_ in tracer.slots
-            ),
+            reads_saved=_reads_saved(tracer.slots, tracer.nodes, collected.pynodes),
         )
         return Captured(gm, plan, fakes + symints, real_mask, size_inputs, None, shape_env)
     raise RuntimeError("compiled_autograd: could not trace this backward")
+
+
+def _reads_saved(slots, nodes, pynodes) -> bool:
+    """Plan.reads_saved: whether an opaque call may read a node's saved tensors. An opaque
+    node does; a hook may read its own node's (`grad_fn._saved_*`, `ctx.saved_tensors`),
+    unless the node has none: AccumulateGrad, and custom Functions that saved no tensor (a
+    module's full backward hooks sit on such a Function, BackwardHookFunction)."""
+    for kind, node, *_ in slots:
+        if kind in (ops.UNPACK, ops.ACCUMULATE):
+            continue
+        if kind == ops.NODE:
+            return True
+        if nodes[node][1] == ACCUMULATE_KIND:
+            continue
+        info = pynodes.get(node)
+        if info is not None and info.opaque_reason is None and not info.saved and not info.attrs:
+            continue
+        return True
+    return False
 
 
 def _mark_fresh_grads(gm: torch.fx.GraphModule, slots: list) -> tuple:
