@@ -152,11 +152,11 @@ def test_in_graph_accumulate_steals_a_fresh_grad_as_eager_and_copies_a_users_ten
         ca.reset()
 
 
-def test_inductor_in_graph_accumulate_steals_safely():
+def test_inductor_in_graph_accumulate_with_reused_buffers_and_no_op_inputs():
     # NOTE [Stealing a fresh grad] with inductor: two same-shape weights accumulated in the
-    # graph (hooks), whose grad buffers inductor would reuse for one another were they not
-    # graph outputs; and a zero pad, whose backward (a pad by zero) inductor turns into the
-    # user's root grad itself, which must not become x.grad (the user changes it afterwards)
+    # graph (hooks), whose dead grad buffers inductor may reuse for one another, and a zero
+    # pad, whose backward (a pad by zero) inductor may turn into the user's root grad itself,
+    # which must not become x.grad (the user changes it afterwards)
     def run(compiled, step):
         torch.manual_seed(step)
         w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)

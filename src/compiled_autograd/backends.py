@@ -55,10 +55,10 @@ _serialize_fx_traces()
 
 
 def may_steal(backend: BackendLike) -> bool:
-    """Whether the code `backend` compiles never writes into a graph output, nor returns
-    an input as a fresh buffer other than as we check (NOTE [Stealing a fresh grad] in
-    ops.py): ours. A user's backend is unknown."""
-    return isinstance(backend, str) and backend in ("eager", "aot_eager", "inductor")
+    """Whether the code `backend` compiles writes only into memory it allocates for that
+    write (NOTE [Stealing a fresh grad] in ops.py): the eager graph and aot_eager run
+    functional aten ops. Inductor reuses a dead buffer in place; a user's backend is unknown."""
+    return isinstance(backend, str) and backend in ("eager", "aot_eager")
 
 
 def compile_graph(

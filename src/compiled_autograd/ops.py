@@ -179,15 +179,18 @@ def _accumulate(capture, node, args, steal):
     engine hands it, when that memory is the graph's own and nothing writes
     into it afterwards:
       * the traced graph computed it (an op's result or a view of one, not a
-        view of a graph input: `fresh`, trace._mark_fresh_grads), and made it an
-        extra graph output: no backend reuses a graph output's buffer, or
-        writes into it in place, before returning it (inductor's memory
-        planning frees and reuses only dead buffers);
+        view of a graph input: `fresh`, trace._mark_fresh_grads);
       * at run time its storage is none of the graph inputs' (`steal`: their
-        addresses): inductor removes no-ops, so `grad * 1` of a root grad the
-        user holds can arrive as that very tensor;
-      * the backend is ours (eager, aot_eager, inductor); a user's may do
-        anything, and gets the copy."""
+        addresses; a compiler that removes no-ops could hand over an input);
+      * the backend's code writes only into memory it allocates for that
+        write: the eager graph and aot_eager (functional aten ops). Not
+        inductor: it reuses a dead buffer in place (`buf7 = buf3  # reuse`),
+        so there AccumulateGrad copies, as torch's built-in does. Making the
+        grad a graph output would stop the reuse but keep every new grad
+        alive to the end of the graph when it is added into an existing
+        `.grad` (gradient accumulation): a buffer reuse barrier in inductor's
+        lowering of the call would do it without that (not done). A user's
+        backend gets the copy too."""
     grad, defined = args[0], (args[1] if len(args) > 1 else None)
     if grad is None or (defined is not None and not bool(defined)):
         return []

@@ -670,13 +670,10 @@ def _reads_saved(slots, nodes, pynodes) -> bool:
 def _mark_fresh_grads(gm: torch.fx.GraphModule, slots: list) -> tuple:
     """Mark the ACCUMULATE calls whose grad is memory the graph itself made: an op's
     result, or a view of one, rather than (a view of) a graph input, which is a tensor
-    the user or the autograd graph still holds. Each such grad also becomes an extra
-    graph output (after the results the plan reads), so that no compiler reuses its
-    buffer, or writes into it, after the call (NOTE [Stealing a fresh grad], ops.py)."""
+    the user or the autograd graph still holds (NOTE [Stealing a fresh grad], ops.py)."""
     from .create_graph import _aliases, _base
 
     slots = list(slots)
-    fresh = []
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is not torch.ops.compiled_autograd.call.default:
             continue
@@ -686,11 +683,6 @@ def _mark_fresh_grads(gm: torch.fx.GraphModule, slots: list) -> tuple:
         base = _base(n.args[1][0])
         if isinstance(base, torch.fx.Node) and base.op == "call_function" and not _aliases(base):
             slots[slot] = slots[slot][:4] + (True,)
-            fresh.append(n.args[1][0])
-    if fresh:
-        output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-        output.args = (list(output.args[0]) + fresh,)
-        gm.recompile()
     return tuple(slots)
 
 
