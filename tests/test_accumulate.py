@@ -179,3 +179,29 @@ def test_inductor_in_graph_accumulate_with_reused_buffers_and_no_op_inputs():
             torch.testing.assert_close(got, want)
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
+
+
+def test_inductor_does_not_reuse_a_grad_buffer_handed_to_accumulate_grad():
+    # w's grad (an mm result) becomes w.grad inside the graph; inductor would then write
+    # the next same-sized result (h's grad) into that dead buffer (`buf3 = buf1  # reuse`):
+    # our lowering keeps it from reuse (NOTE [Stealing a fresh grad])
+    def run(compiled, step):
+        torch.manual_seed(step)
+        w = torch.randn(8, 8, requires_grad=True)
+        v = torch.randn(8, 8, requires_grad=True)
+        for p in (w, v):
+            p.register_post_accumulate_grad_hook(lambda p: None)
+        g = torch.randn(8, 8)
+        out = torch.tanh(torch.tanh(v * 3) @ w)
+        if compiled:
+            with ca.enable("inductor", fullgraph=True, background=False):
+                out.backward(g)
+        else:
+            out.backward(g)
+        return [w.grad, v.grad]
+
+    for step in range(2):
+        for got, want in zip(run(True, step), run(False, step)):
+            torch.testing.assert_close(got, want)
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s

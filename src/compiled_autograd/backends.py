@@ -55,10 +55,39 @@ _serialize_fx_traces()
 
 
 def may_steal(backend: BackendLike) -> bool:
-    """Whether the code `backend` compiles writes only into memory it allocates for that
-    write (NOTE [Stealing a fresh grad] in ops.py): the eager graph and aot_eager run
-    functional aten ops. Inductor reuses a dead buffer in place; a user's backend is unknown."""
-    return isinstance(backend, str) and backend in ("eager", "aot_eager")
+    """Whether the code `backend` compiles leaves a grad handed to AccumulateGrad alone
+    (NOTE [Stealing a fresh grad] in ops.py): the eager graph and aot_eager run functional
+    aten ops; inductor, with our lowering of the call (below). A user's backend is unknown."""
+    return isinstance(backend, str) and backend in ("eager", "aot_eager", "inductor")
+
+
+def _register_inductor_lowering() -> None:
+    """Inductor's lowering of compiled_autograd::call: the generic fallback kernel, and,
+    for a call that hands its grad over (sizes == ops.HANDED_OVER), that grad's buffer is
+    never reused: inductor would otherwise write the next same-sized result into it
+    (`buf3 = buf1; del buf1  # reuse`) while it is the parameter's `.grad`."""
+    import torch.utils._pytree as pytree
+    from torch._inductor import ir
+    from torch._inductor.lowering import lowerings, register_lowering
+    from torch._inductor.virtualized import V
+
+    from . import ops
+
+    op = torch.ops.compiled_autograd.call.default
+    if op in lowerings:
+        return
+
+    @register_lowering(op, type_promotion_kind=None)
+    def _call(slot, args, sizes, ranks, dtypes, devices, flags):
+        start = len(V.graph.operations)
+        out = ir.FallbackKernel.create(op, slot, args, sizes, ranks, dtypes, devices, flags)
+        if list(sizes) == list(ops.HANDED_OVER) and not ranks:
+            for operation in V.graph.operations[start:]:
+                if isinstance(operation, ir.FallbackKernel):
+                    for inp in operation.inputs:
+                        if isinstance(inp, ir.IRNode) and inp.maybe_get_name() is not None:
+                            V.graph.never_reuse_buffers.add(inp.get_name())
+        return pytree.tree_map(lambda x: x.wrap_for_lowering() if isinstance(x, ir.IRNode) else x, out)
 
 
 def compile_graph(
@@ -84,6 +113,8 @@ def compile_graph(
             from torch._inductor.compile_fx import compile_fx
 
             from torch._inductor import config as inductor_config
+
+            _register_inductor_lowering()
 
             # NOTE [No size asserts]: inductor's code checks every input's sizes and
             # strides on every call (`assert_size_stride`, ~0.45 us per input: 0.6 ms

@@ -54,6 +54,13 @@ def _device(code: int) -> torch.device:
     kind, index = divmod(code, 1024)
     return torch.device(_DEVICE_TYPES[kind]) if index == 0 else torch.device(_DEVICE_TYPES[kind], index - 1)
 
+# the sizes argument of an ACCUMULATE call whose grad AccumulateGrad may take as `.grad`
+# (NOTE [Stealing a fresh grad]); an ACCUMULATE call has no outputs, so no sizes otherwise.
+# The second number versions inductor's lowering of such a call (backends.py): it is part
+# of the graph, hence of inductor's cache key, so change it whenever that lowering changes
+# and no cached code compiled by another lowering can be served for the graph.
+HANDED_OVER = (-1, 1)
+
 # slot kinds
 TENSOR_PRE_HOOKS = "tensor_pre_hooks"
 PRE_HOOKS = "pre_hooks"
@@ -182,15 +189,15 @@ def _accumulate(capture, node, args, steal):
         view of a graph input: `fresh`, trace._mark_fresh_grads);
       * at run time its storage is none of the graph inputs' (`steal`: their
         addresses; a compiler that removes no-ops could hand over an input);
-      * the backend's code writes only into memory it allocates for that
-        write: the eager graph and aot_eager (functional aten ops). Not
-        inductor: it reuses a dead buffer in place (`buf7 = buf3  # reuse`),
-        so there AccumulateGrad copies, as torch's built-in does. Making the
-        grad a graph output would stop the reuse but keep every new grad
-        alive to the end of the graph when it is added into an existing
-        `.grad` (gradient accumulation): a buffer reuse barrier in inductor's
-        lowering of the call would do it without that (not done). A user's
-        backend gets the copy too."""
+      * nothing in the compiled code writes into it afterwards: the eager
+        graph and aot_eager run functional aten ops; inductor reuses a dead
+        buffer for a later result (`buf3 = buf1; del buf1  # reuse`), so the
+        call is marked in the graph (its sizes argument is HANDED_OVER) and our
+        lowering of it (backends._register_inductor_lowering) puts the grad's
+        buffer in inductor's never-reuse set. (Making it a graph output would
+        stop the reuse too, but keep every new grad alive to the end of the
+        graph when it is added into an existing `.grad`.) A user's backend
+        gets the copy, as torch's built-in copies every such grad."""
     grad, defined = args[0], (args[1] if len(args) > 1 else None)
     if grad is None or (defined is not None and not bool(defined)):
         return []

@@ -670,10 +670,15 @@ def _reads_saved(slots, nodes, pynodes) -> bool:
 def _mark_fresh_grads(gm: torch.fx.GraphModule, slots: list) -> tuple:
     """Mark the ACCUMULATE calls whose grad is memory the graph itself made: an op's
     result, or a view of one, rather than (a view of) a graph input, which is a tensor
-    the user or the autograd graph still holds (NOTE [Stealing a fresh grad], ops.py)."""
+    the user or the autograd graph still holds. In the plan (the slot's `fresh`) and in
+    the graph (the call's sizes argument, unused by an ACCUMULATE call, becomes
+    ops.HANDED_OVER: inductor's lowering of the call then keeps that buffer from reuse,
+    and a compiled artifact from before that lowering cannot match the graph). NOTE
+    [Stealing a fresh grad], ops.py."""
     from .create_graph import _aliases, _base
 
     slots = list(slots)
+    marked = False
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is not torch.ops.compiled_autograd.call.default:
             continue
@@ -683,6 +688,10 @@ def _mark_fresh_grads(gm: torch.fx.GraphModule, slots: list) -> tuple:
         base = _base(n.args[1][0])
         if isinstance(base, torch.fx.Node) and base.op == "call_function" and not _aliases(base):
             slots[slot] = slots[slot][:4] + (True,)
+            n.args = (n.args[0], n.args[1], list(ops.HANDED_OVER), *n.args[3:])
+            marked = True
+    if marked:
+        gm.recompile()
     return tuple(slots)
 
 
