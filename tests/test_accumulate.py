@@ -149,6 +149,8 @@ def test_in_graph_accumulate_steals_a_fresh_grad_as_eager_and_copies_a_users_ten
                 torch.testing.assert_close(a, b)
             if step == 1:  # a hit: no copy beyond eager's (the hook's clones are in both)
                 assert copies <= eager_copies, (backend, copies, eager_copies)
+        s = ca.stats()
+        assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), (backend, s)
         ca.reset()
 
 
