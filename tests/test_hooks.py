@@ -6,6 +6,8 @@ compiled, for two steps with different values (the second compiled step must
 be a cache hit), and compares gradients and the logs entry by entry.
 """
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -312,3 +314,30 @@ def test_hook_giving_a_gradient_where_none_was_raises_eagers_error():
     with pytest.raises(RuntimeError, match="can't replace a None gradient with a non-None value"):
         with ca.enable("eager", fullgraph=True):
             z.sum().backward()
+
+
+def test_a_blocked_gradient_that_a_formula_turns_into_nan_adds_nothing():
+    # sqrt's backward at 0 is 0 / 0: on the zeros standing in for the blocked gradient it is
+    # NaN, which summed with x's other gradient would be NaN; eager adds nothing (_sum masks)
+    def build(log, step):
+        x = torch.tensor([0.0, 4.0 + step], requires_grad=True)
+        s = x.sqrt() * 1.0
+        s.grad_fn.register_hook(lambda gi, go: (None, None))
+        return (s + x * 3).sum(), [x]
+
+    observe(build)
+
+
+def test_a_blocked_gradient_beside_another_runs_that_node_as_eager():
+    # var_mean of one element with correction 1: the var term is 2 / 0 * grad; with grad_var
+    # blocked, eager skips the term, zeros would make it NaN: VarMeanBackward0 runs opaquely
+    def build(log, step):
+        x = leaf(1)
+        v, m = torch.var_mean(x, correction=1)
+        v2 = v * 1.0
+        v2.grad_fn.register_hook(lambda gi, go: (None, None))
+        return v2 + m * 3, [x]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # var_mean of one element warns (degrees of freedom <= 0)
+        observe(build, n_opaque=1)

@@ -22,9 +22,12 @@ flags they depend on ("defined iff any of these flags") through nodes and
 sums, and a graph result carrying flags gets a definedness output, so a leaf
 whose only gradient was undefined still ends with `.grad is None` as in eager.
 A call given such a value (a hook, an opaque node, AccumulateGrad) also gets
-its definedness and passes None where it is undefined, as eager would; traced
-formulas compute on the zeros, which is what theirs do with an undefined grad
-(and an all-undefined node's results carry only False flags).
+its definedness and passes None where it is undefined, as eager would. A
+traced formula given it as its only grad computes on the zeros: its results
+carry the same flags, and where they are summed with another grad they are
+masked first (`_sum`: a formula can turn zeros into NaN, 0 / 0 in sqrt's at 0).
+A built-in node given it beside other grads runs opaquely instead: its formula
+skips an undefined grad's terms, where zeros could make NaN (0 * inf).
 """
 
 from __future__ import annotations
@@ -110,12 +113,22 @@ class _Value:
 
 
 def _sum(a: _Value | None, b: _Value | None) -> _Value | None:
+    """Two grads for one node input, summed as the engine's InputBuffer sums them: an
+    undefined one adds nothing. What a value holds while undefined is zeros at the call
+    that flagged it, but a formula may turn zeros into NaN on the way (0 / 0 where x = 0
+    in sqrt's), so a value that may be undefined is masked before the add."""
     if a is None:
         return b
     if b is None:
         return a
     bits = None if a.bits is None or b.bits is None else _union(a.bits, b.bits)
-    return _Value(a.t + b.t, bits)
+    return _Value(_masked(a) + _masked(b), bits)
+
+
+def _masked(v: _Value):
+    if v.bits is None:
+        return v.t
+    return torch.where(_BackwardTracer._defined(v.bits), v.t, 0.0)
 
 
 def _union(*bit_sets) -> tuple:
@@ -355,6 +368,15 @@ class _BackwardTracer:
                 # its backward sees None for an undefined grad, and may branch on it
                 raise NeedsOpaque(idx, "set_materialize_grads(False) and a grad that may be None at run time")
             return self._pynode(idx, tensors, args)
+        defined = [v for v in values if v is not None]
+        if len(defined) > 1 and any(v.bits is not None for v in defined):
+            # a formula given an undefined grad beside others skips its terms; on the zeros
+            # standing in for it, 0 * inf in such a term would be NaN (var_mean's var term
+            # with one element). The node runs as is, given None where eager gives None.
+            # (Inline: flags mean a hook or an opaque node is already in the graph, so
+            # AccumulateGrad already runs in it.)
+            self.opaque_extra[idx] = "a grad that may be None at run time, beside others"
+            return self._opaque_node(idx, values)
         try:
             self.node_inputs = tensors
             return self.capture.apply_node(idx, tensors)
