@@ -207,3 +207,66 @@ def test_inductor_does_not_reuse_a_grad_buffer_handed_to_accumulate_grad():
             torch.testing.assert_close(got, want)
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
+
+
+def test_a_grad_the_graph_still_reads_is_not_handed_to_accumulate_grad():
+    # (p + x * w): AddBackward gives p's AccumulateGrad and MulBackward the same tensor.
+    # Eager's AccumulateGrad copies it (its input buffer for MulBackward still holds it),
+    # and p's hook scales p.grad in place; a stolen grad would be the buffer the graph
+    # then reads for w's grad (w.grad was off by 100x under eager and aot_eager)
+    def run(backend, step):
+        torch.manual_seed(step)
+        p = torch.randn(4, requires_grad=True)
+        w = torch.randn(4, requires_grad=True)
+        x = torch.randn(4)
+
+        def scale(t):
+            t.grad.mul_(100)
+
+        p.register_post_accumulate_grad_hook(scale)
+        out = ((p + x * w) ** 2).sum()
+        if backend is None:
+            out.backward()
+        else:
+            with ca.enable(backend, fullgraph=True, background=False):
+                out.backward()
+        return [p.grad, w.grad]
+
+    for backend in ("eager", "aot_eager"):
+        for step in range(2):
+            for got, want in zip(run(backend, step), run(None, step)):
+                torch.testing.assert_close(got, want)
+        s = ca.stats()
+        assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), (backend, s)
+        ca.reset()
+
+
+def test_a_grad_from_a_multi_output_op_is_still_stolen():
+    # convolution_backward's weight grad is one result of a multi-output op: read by
+    # AccumulateGrad alone, it is the graph's own memory and eager steals it
+    for backend in ("eager", "aot_eager"):
+        for step in range(2):
+            runs = []
+            for compiled in (False, True):
+                torch.manual_seed(step)
+                conv = torch.nn.Conv2d(3, 4, 3)
+                for q in conv.parameters():
+                    q.register_post_accumulate_grad_hook(lambda t: None)
+                x = torch.randn(2, 3, 8, 8, requires_grad=True)
+                out = conv(x).tanh().sum()
+
+                def backward():
+                    if compiled:
+                        with ca.enable(backend, fullgraph=True):
+                            out.backward()
+                    else:
+                        out.backward()
+
+                copies = _copies_in(backward)
+                runs.append((copies, [x.grad, conv.weight.grad, conv.bias.grad]))
+            (eager_copies, want), (copies, got) = runs
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b)
+            if step == 1:
+                assert copies <= eager_copies, (backend, copies, eager_copies)
+        ca.reset()

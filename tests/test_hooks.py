@@ -142,6 +142,46 @@ def test_post_accumulate_grad_hook_runs_an_optimizer_step():
     runs = observe(build)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_optimizer_step_in_backward_with_a_compiler(backend):
+    # each parameter's hook updates it in place as soon as its grad is ready (the
+    # optimizer-in-backward recipe); nodes that run before the hook in eager read the
+    # old weights: a compiler must not move those reads past the hook (inductor did:
+    # the weights after 3 steps were off by 10). NOTE [Hooks may change what the graph reads]
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    start = [p.detach().clone() for p in model.parameters()]
+
+    def train(compiled):
+        with torch.no_grad():
+            for p, s in zip(model.parameters(), start):
+                p.copy_(s)
+        opts = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+
+        def hook(p):
+            opts[p].step()
+            opts[p].zero_grad()
+
+        handles = [p.register_post_accumulate_grad_hook(hook) for p in model.parameters()]
+        for step in range(3):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            loss = model(x).pow(2).sum()
+            if compiled:
+                with ca.enable(backend, fullgraph=True, background=False):
+                    loss.backward()
+            else:
+                loss.backward()
+        for h in handles:
+            h.remove()
+        return [p.detach().clone() for p in model.parameters()]
+
+    want = train(False)
+    got = train(True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 2, 0), s
+
+
 def test_hook_order_across_the_backward_matches_eager():
     def build(log, step):
         w1, w2, x = leaf(4, 4), leaf(4, 4), leaf(2, 4)
@@ -341,3 +381,36 @@ def test_a_blocked_gradient_beside_another_runs_that_node_as_eager():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # var_mean of one element warns (degrees of freedom <= 0)
         observe(build, n_opaque=1)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_hook_that_modifies_a_shared_gradient_in_place_raises(backend):
+    # AddBackward gives both branches one tensor; a's hook changes it in place, which
+    # PyTorch's hooks must not do. Eager's other branch sees the change or not by engine
+    # order; inductor computed that branch before the hook (y.grad was wrong, silently).
+    # Where the tensor is the hook's alone, changing it in place stays as in eager.
+    def run(compiled, step, shared):
+        torch.manual_seed(step)
+        x, y = leaf(4), leaf(4)
+        b = y.cos()
+        a = x.sin()
+        if shared:
+            a.register_hook(lambda g: g.mul_(2))
+            out = ((a + b) ** 2).sum()
+        else:
+            x.register_hook(lambda g: g.mul_(2))
+            out = ((a * 3) ** 2).sum() + b.sum()
+        if compiled:
+            with ca.enable(backend, fullgraph=True, background=False):
+                out.backward()
+        else:
+            out.backward()
+        return [x.grad, y.grad]
+
+    for step in range(2):
+        for got, want in zip(run(True, step, False), run(False, step, False)):
+            torch.testing.assert_close(got, want)
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
+    with pytest.raises(RuntimeError, match="modified a gradient in place"):
+        run(True, 0, True)

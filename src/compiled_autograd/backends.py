@@ -82,11 +82,13 @@ def _register_inductor_lowering() -> None:
         start = len(V.graph.operations)
         out = ir.FallbackKernel.create(op, slot, args, sizes, ranks, dtypes, devices, flags)
         if list(sizes) == list(ops.HANDED_OVER) and not ranks:
+            # the grad is the first argument (the others only order the call: NOTE
+            # [Hooks may change what the graph reads] in trace.py)
             for operation in V.graph.operations[start:]:
-                if isinstance(operation, ir.FallbackKernel):
-                    for inp in operation.inputs:
-                        if isinstance(inp, ir.IRNode) and inp.maybe_get_name() is not None:
-                            V.graph.never_reuse_buffers.add(inp.get_name())
+                if isinstance(operation, ir.FallbackKernel) and operation.inputs:
+                    inp = operation.inputs[0]
+                    if isinstance(inp, ir.IRNode) and inp.maybe_get_name() is not None:
+                        V.graph.never_reuse_buffers.add(inp.get_name())
         return pytree.tree_map(lambda x: x.wrap_for_lowering() if isinstance(x, ir.IRNode) else x, out)
 
 

@@ -59,7 +59,7 @@ def _device(code: int) -> torch.device:
 # The second number versions inductor's lowering of such a call (backends.py): it is part
 # of the graph, hence of inductor's cache key, so change it whenever that lowering changes
 # and no cached code compiled by another lowering can be served for the graph.
-HANDED_OVER = (-1, 1)
+HANDED_OVER = (-1, 2)
 
 # slot kinds
 TENSOR_PRE_HOOKS = "tensor_pre_hooks"
@@ -125,7 +125,10 @@ def call(
     flags: bool,
 ) -> list[torch.Tensor]:
     capture, slots, outside, hooks, steal = _replay.stack[-1]
-    kind, node, mask, in_flags, fresh = slots[slot]
+    kind, node, mask, in_flags, fresh, n_after, shared = slots[slot]
+    if n_after:  # only there to order the call (NOTE [Hooks may change what the graph reads])
+        args = args[:-n_after]
+    versions = [args[i]._version if args[i] is not None else 0 for i in shared]
     if in_flags:
         # the last argument says which arguments are defined: an undefined grad
         # reached the graph as zeros (NOTE [Undefined grads of opaque nodes]),
@@ -137,7 +140,15 @@ def call(
     try:
         if kind == ACCUMULATE:
             return _accumulate(capture, node, args, steal if fresh else None)
-        return _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, flags, hooks)
+        outs = _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, flags, hooks)
+        for i, v in zip(shared, versions):
+            if args[i] is not None and args[i]._version != v:
+                raise RuntimeError(
+                    f"compiled_autograd: {kind.replace('_', ' ')} of {capture.node_name(node)} modified a "
+                    "gradient in place that other nodes of the backward also read; hooks must not modify "
+                    "their arguments (return a new tensor instead), and the compiled graph cannot follow"
+                )
+        return outs
     finally:
         _set_excluded(inside)
 
@@ -186,7 +197,9 @@ def _accumulate(capture, node, args, steal):
     engine hands it, when that memory is the graph's own and nothing writes
     into it afterwards:
       * the traced graph computed it (an op's result or a view of one, not a
-        view of a graph input: `fresh`, trace._mark_fresh_grads);
+        view of a graph input) and reads it nowhere else (a hook may change
+        `.grad` in place; eager copies a grad its engine still holds for
+        another node): `fresh`, trace._mark_fresh_grads;
       * at run time its storage is none of the graph inputs' (`steal`: their
         addresses; a compiler that removes no-ops could hand over an input);
       * nothing in the compiled code writes into it afterwards: the eager

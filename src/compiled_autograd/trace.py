@@ -33,9 +33,10 @@ skips an undefined grad's terms, where zeros could make NaN (0 * inf).
 from __future__ import annotations
 
 import functools
+import operator
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import sympy
 import torch
@@ -56,13 +57,26 @@ ACCUMULATE_KIND = 1
 MAX_OPAQUE_RETRIES = 16  # traces of one backward, each making one more node opaque
 
 
+class Slot(NamedTuple):
+    """One opaque call of a graph (NOTE [Opaque calls], ops.py)."""
+
+    kind: str
+    node: int  # index of the node (or hooked saved tensor, for UNPACK)
+    mask: tuple  # per output: whether the graph was traced with it defined
+    in_flags: bool  # its last argument says which arguments are defined
+    # an ACCUMULATE call's grad is memory the graph made (NOTE [Stealing a fresh grad], ops.py)
+    fresh: bool = False
+    # how many of its last arguments only order it (NOTE [Hooks may change what the graph reads])
+    n_after: int = 0
+    # the arguments something else in the graph reads too: a hook must not change them in place
+    shared: tuple = ()
+
+
 @dataclass(frozen=True)
 class Plan:
     """How to run and apply one captured graph (part of its cache entry)."""
 
-    # per opaque call: (kind, node index, output mask, takes definedness flags, fresh), where
-    # fresh: an ACCUMULATE call's grad is memory the graph made (NOTE [Stealing a fresh grad], ops.py)
-    slots: tuple
+    slots: tuple  # a Slot per opaque call
     accumulate: tuple  # (node index, result index, flag result index or -1), applied after the graph
     captured: tuple  # (result index or -1, flag result index or -1) per grad() input
     opaque: tuple  # (node index, node name, reason)
@@ -80,7 +94,7 @@ class Plan:
     def steals(self) -> bool:
         """Whether an ACCUMULATE call may hand AccumulateGrad the graph's own buffer
         (NOTE [Stealing a fresh grad], ops.py)."""
-        return any(slot[0] == ops.ACCUMULATE and slot[4] for slot in self.slots)
+        return any(slot.kind == ops.ACCUMULATE and slot.fresh for slot in self.slots)
 
 
 
@@ -221,7 +235,7 @@ class _BackwardTracer:
         in_flags = values is not None and any(v is not None and v.bits is not None for v in values)
         if in_flags:
             args = list(args) + [self._defined_each(values)]
-        self.slots.append((kind, node, mask, in_flags, False))
+        self.slots.append(Slot(kind, node, mask, in_flags))
         metas = [m for m in out_metas if m is not None]
         sizes, ranks, dtypes, devices = [], [], [], []
         for shape, dtype, device in metas:
@@ -658,7 +672,7 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
             if tracer.nodes[i][2] and tracer._is_opaque(i)
         )
         plan = Plan(
-            slots=_mark_fresh_grads(gm, tracer.slots),
+            slots=_order_reads_before_calls(gm, _mark_shared_args(gm, _mark_fresh_grads(gm, tracer.slots))),
             accumulate=tuple(tracer.accumulate),
             captured=tuple(out["captured"]),
             opaque=opaque,
@@ -692,13 +706,12 @@ def _reads_saved(slots, nodes, pynodes) -> bool:
 def _mark_fresh_grads(gm: torch.fx.GraphModule, slots: list) -> tuple:
     """Mark the ACCUMULATE calls whose grad is memory the graph itself made: an op's
     result, or a view of one, rather than (a view of) a graph input, which is a tensor
-    the user or the autograd graph still holds. In the plan (the slot's `fresh`) and in
+    the user or the autograd graph still holds, and that nothing else in the graph reads
+    (`_read_only_here`). In the plan (the slot's `fresh`) and in
     the graph (the call's sizes argument, unused by an ACCUMULATE call, becomes
     ops.HANDED_OVER: inductor's lowering of the call then keeps that buffer from reuse,
     and a compiled artifact from before that lowering cannot match the graph). NOTE
     [Stealing a fresh grad], ops.py."""
-    from .create_graph import _aliases, _base
-
     slots = list(slots)
     marked = False
     for n in gm.graph.nodes:
@@ -707,14 +720,114 @@ def _mark_fresh_grads(gm: torch.fx.GraphModule, slots: list) -> tuple:
         slot = n.args[0]
         if slots[slot][0] != ops.ACCUMULATE or not n.args[1] or not isinstance(n.args[1][0], torch.fx.Node):
             continue
-        base = _base(n.args[1][0])
-        if isinstance(base, torch.fx.Node) and base.op == "call_function" and not _aliases(base):
-            slots[slot] = slots[slot][:4] + (True,)
+        if _read_only_here(n.args[1][0]):
+            slots[slot] = slots[slot]._replace(fresh=True)
             n.args = (n.args[0], n.args[1], list(ops.HANDED_OVER), *n.args[3:])
             marked = True
     if marked:
         gm.recompile()
     return tuple(slots)
+
+
+def _order_reads_before_calls(gm: torch.fx.GraphModule, slots: tuple) -> tuple:
+    """NOTE [Hooks may change what the graph reads]
+    A hook can change a tensor the graph reads: the optimizer-in-backward recipe steps
+    each parameter in place from its post-accumulate-grad hook, as soon as its grad is
+    ready. In eager, every node the engine ran before the hook read the old values (a
+    node after it that saved the tensor raises: its version changed). The traced graph
+    has eager's order, but a compiler only keeps what the data flow and the calls'
+    ORDERED effect require: inductor moved a layer's `grad @ W` past the hook that
+    steps W (the weights were off by 10 after 3 steps). So every op that reads a graph
+    input (a lifted tensor: saved tensors, parameters; directly or through a view) and
+    comes before a call in the traced order becomes an argument of that call, unused by
+    it, which orders the read before the call, as the unpack calls' arguments do (the
+    last `n_after` arguments: ops.call drops them). Calls are ordered among themselves,
+    so each call needs only the reads since the one before it."""
+    from .create_graph import _aliases
+
+    call = torch.ops.compiled_autograd.call.default
+    slots = list(slots)
+    inputs: set = set()  # tensor placeholders and views of them
+    pending: list = []  # tensors computed since the last call by ops that read one
+    changed = False
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            if isinstance(n.meta.get("val"), torch.Tensor):
+                inputs.add(n)
+            continue
+        if n.op != "call_function":
+            continue
+        if n.target is call:
+            args = list(n.args[1])
+            direct = {a for a in args if isinstance(a, torch.fx.Node)}
+            after = [r for r in dict.fromkeys(pending) if r not in direct]
+            if after:
+                n.args = (n.args[0], args + after, *n.args[2:])
+                slot = n.args[0]
+                slots[slot] = slots[slot]._replace(n_after=len(after))
+                changed = True
+            pending = []
+            continue
+        if not any(a in inputs for a in n.all_input_nodes):
+            continue
+        if _aliases(n) and n.args and n.args[0] in inputs:
+            inputs.add(n)  # a view: read by the ops that take it
+            continue
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            pending.append(n)
+        elif isinstance(val, (tuple, list)):  # a multi-output op: any of its tensors orders it
+            pending.extend([u for u in n.users if u.target is operator.getitem and isinstance(u.meta.get("val"), torch.Tensor)][:1])
+    if changed:
+        gm.recompile()
+    return tuple(slots)
+
+
+def _mark_shared_args(gm: torch.fx.GraphModule, slots: tuple) -> tuple:
+    """The arguments of each hook call and opaque node call that something else in the
+    graph reads too (`Slot.shared`). PyTorch's hooks must not modify their arguments
+    (they may return a new gradient instead), but in eager one that does changes the
+    tensor for every node the engine runs after it; a compiler may have read it before.
+    ops.call raises if such an argument's version changed rather than follow either."""
+    call = torch.ops.compiled_autograd.call.default
+    slots = list(slots)
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not call:
+            continue
+        slot = slots[n.args[0]]
+        if slot.kind not in (ops.TENSOR_PRE_HOOKS, ops.PRE_HOOKS, ops.POST_HOOKS, ops.NODE):
+            continue
+        args = list(n.args[1])[: len(n.args[1]) - slot.in_flags]
+        shared = tuple(
+            i for i, a in enumerate(args)
+            if isinstance(a, torch.fx.Node) and (args.count(a) > 1 or not _read_only_here(a))
+        )
+        slots[n.args[0]] = slot._replace(shared=shared)
+    return tuple(slots)
+
+
+def _read_only_here(grad: torch.fx.Node) -> bool:
+    """Whether `grad` is memory the graph made (an op's result or a view of one, not a
+    view of a graph input) that nothing in the graph reads but the one call taking it:
+    no other view of it, no other reader of it or of its base, not a graph result. A
+    hook may change `.grad` in place, which must not change what the graph computes
+    afterwards; eager's AccumulateGrad copies a grad its engine still holds for another
+    node (AddBackward gives both its edges one tensor)."""
+    from .create_graph import _aliases
+
+    n = grad
+    while True:
+        if len(n.users) != 1 or n.op != "call_function":
+            return False
+        if not _aliases(n):
+            return True  # the op that made it
+        parent = n.args[0] if n.args else None
+        if not isinstance(parent, torch.fx.Node):
+            return False
+        if n.target is operator.getitem and parent.op == "call_function" and not _aliases(parent):
+            # one result of a multi-output op: its other results are other tensors
+            return all(u is n or (u.target is operator.getitem and u.args[1] != n.args[1]) for u in parent.users)
+        n = parent
 
 
 class NotTwiceDifferentiable(Exception):
