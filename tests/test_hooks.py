@@ -414,3 +414,49 @@ def test_hook_that_modifies_a_shared_gradient_in_place_raises(backend):
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
     with pytest.raises(RuntimeError, match="modified a gradient in place"):
         run(True, 0, True)
+
+
+def _copies_in(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name == "aten::copy_" and e.input_shapes and e.input_shapes[0])
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_hooks_that_return_their_grad_unchanged_cost_no_copy(backend):
+    # logging hooks (returning None) on every parameter and on activations: each call gives
+    # back its own input, which the graph reads nowhere else, so no copy is made (NOTE
+    # [Outputs the graph owns]); with inductor that input's buffer must not be reused for
+    # a later result of the same size while the hook's output is still read
+    def run(compiled, step):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        seen = []
+        for p in model.parameters():
+            p.register_hook(lambda g: seen.append(g.sum().item()))
+        torch.manual_seed(step)
+        x = torch.randn(8, 8)
+        h = model[:2](x)
+        h.register_hook(lambda g: seen.append(g.sum().item()))
+        out = model[2:](h).tanh()
+
+        def backward():
+            if compiled:
+                with ca.enable(backend, fullgraph=True, background=False):
+                    out.backward(torch.ones(8, 8))
+            else:
+                out.backward(torch.ones(8, 8))
+
+        copies = _copies_in(backward)
+        return copies, [p.grad for p in model.parameters()], seen
+
+    for step in range(2):
+        copies, got, got_seen = run(True, step)
+        eager_copies, want, want_seen = run(False, step)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+        torch.testing.assert_close(got_seen, want_seen, rtol=1e-5, atol=1e-5)
+        if step == 1:
+            assert copies <= eager_copies, (copies, eager_copies)
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s

@@ -25,12 +25,19 @@ view of a storage. Writing into it would change the user's tensor and, on the
 next backward, the gradients. So an output is handed to the graph as is only
 when nothing but the call's result refers to it (one Python reference, one
 TensorImpl reference, one tensor on its storage); otherwise it is copied.
+One exception, the common one: a hook that returns its grad unchanged (a
+logging hook returning None, a module hook passing grads through) gives back
+the call's own input. When nothing else in the graph reads that input
+(`Slot.shared`) and the compiled code never writes into a call's inputs (the
+eager graph and aot_eager run functional ops; our inductor lowering keeps the
+inputs of a KEEPS_INPUTS call from reuse), the output is that input: no copy.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -60,6 +67,11 @@ def _device(code: int) -> torch.device:
 # of the graph, hence of inductor's cache key, so change it whenever that lowering changes
 # and no cached code compiled by another lowering can be served for the graph.
 HANDED_OVER = (-1, 2)
+
+# the bits of a call's `flags` argument (they are in the graph's code, so a change of what
+# our inductor lowering does with a bit is a new bit: no compiled artifact from before matches)
+DEFINEDNESS = 1  # the call also returns which of its outputs are defined
+KEEPS_INPUTS = 2  # an output may be one of its unshared inputs: their buffers are never reused
 
 # slot kinds
 TENSOR_PRE_HOOKS = "tensor_pre_hooks"
@@ -101,11 +113,13 @@ def _set_excluded(flags):
 class replaying:
     """Context of one compiled graph run: where its slots resolve."""
 
-    def __init__(self, capture, slots, hooks=(), steal=None):
+    def __init__(self, capture, slots, hooks=(), steal=None, keep=False):
         # hooks: (unpack_hook, packed) per hooked saved tensor, for UNPACK slots;
         # steal: None, or the graph inputs' storages when ACCUMULATE calls may
-        # steal a fresh grad (NOTE [Stealing a fresh grad])
-        self.frame = (capture, slots, _excluded(), hooks, steal)
+        # steal a fresh grad (NOTE [Stealing a fresh grad]); keep: the compiled code
+        # never writes into a call's inputs, so an output may be one (NOTE [Outputs the
+        # graph owns])
+        self.frame = (capture, slots, _excluded(), hooks, steal, keep)
 
     def __enter__(self):
         _replay.stack.append(self.frame)
@@ -114,17 +128,16 @@ class replaying:
         _replay.stack.pop()
 
 
-@torch.library.custom_op("compiled_autograd::call", mutates_args=())
-def call(
+def _call(
     slot: int,
     args: list[Optional[torch.Tensor]],
     sizes: list[int],
     ranks: list[int],
     dtypes: list[int],
     devices: list[int],
-    flags: bool,
+    flags: int,
 ) -> list[torch.Tensor]:
-    capture, slots, outside, hooks, steal = _replay.stack[-1]
+    capture, slots, outside, hooks, steal, keep = _replay.stack[-1]
     kind, node, mask, in_flags, fresh, n_after, shared = slots[slot]
     if n_after:  # only there to order the call (NOTE [Hooks may change what the graph reads])
         args = args[:-n_after]
@@ -140,7 +153,8 @@ def call(
     try:
         if kind == ACCUMULATE:
             return _accumulate(capture, node, args, steal if fresh else None)
-        outs = _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, flags, hooks)
+        keeps = keep and flags & KEEPS_INPUTS
+        outs = _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, flags, hooks, shared if keeps else None)
         for i, v in zip(shared, versions):
             if args[i] is not None and args[i]._version != v:
                 raise RuntimeError(
@@ -153,7 +167,7 @@ def call(
         _set_excluded(inside)
 
 
-def _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, flags, hooks):
+def _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, flags, hooks, shared=None):
     if kind == UNPACK:
         from .collect import unpack
 
@@ -175,7 +189,8 @@ def _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, fl
         outs = capture.call_node(node, args)
     else:
         raise AssertionError(f"unknown slot kind {kind}")
-    return _conform(kind, capture, node, mask, outs, args, list(_unpack_meta(sizes, ranks, dtypes, devices)), flags)
+    keep = () if shared is None else [a for i, a in enumerate(args) if a is not None and i not in shared]
+    return _conform(kind, capture, node, mask, outs, keep, list(_unpack_meta(sizes, ranks, dtypes, devices)), flags)
 
 
 def input_storages(args) -> frozenset:
@@ -223,10 +238,20 @@ def _accumulate(capture, node, args, steal):
     return []
 
 
+call = torch.library.custom_op("compiled_autograd::call", _call, mutates_args=())
+# The kernel is registered once more, directly: custom_op's wrapper of it checks that no
+# output aliases an input, which a hook that returns its grad unchanged may do here (NOTE
+# [Outputs the graph owns]: only where that is safe), and costs a few microseconds a call.
+_lib = torch.library.Library("compiled_autograd", "FRAGMENT")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # "Overriding a previously registered kernel"
+    _lib.impl("call", _call, "CompositeExplicitAutograd")
+
+
 @call.register_fake
 def _call_fake(slot, args, sizes, ranks, dtypes, devices, flags):
     outs = [torch.empty(s, dtype=d, device=dev) for s, d, dev in _unpack_meta(sizes, ranks, dtypes, devices)]
-    if flags:
+    if flags & DEFINEDNESS:
         outs.append(torch.empty(len(ranks), dtype=torch.bool))
     return outs
 
@@ -264,7 +289,7 @@ def pack_meta(tensors: Sequence[torch.Tensor]):
     return sizes, ranks, dtypes, devices
 
 
-def _conform(kind, capture, node, mask, outs, args, metas, flags):
+def _conform(kind, capture, node, mask, outs, keep, metas, flags):
     """Real outputs -> the defined, contiguous, non-aliasing tensors the graph expects.
 
     `mask[i]` says whether output i was defined when the graph was traced;
@@ -299,11 +324,12 @@ def _conform(kind, capture, node, mask, outs, args, metas, flags):
         # the graph was traced with a plain tensor: no lazy conjugate or negative bit
         # (`contiguous()` keeps them; a copy below would resolve them)
         o = o.resolve_conj().resolve_neg().contiguous()
-        # the references of a private tensor: `o` and getrefcount's argument
-        if sys.getrefcount(o) > 2 or not _sole_owner(o):
+        # the references of a private tensor: `o` and getrefcount's argument; or the
+        # call's own input, which nothing else in the graph reads (`keep`)
+        if (sys.getrefcount(o) > 2 or not _sole_owner(o)) and not any(o is a for a in keep):
             o = o.clone()
         result.append(o)
-    if flags:
+    if flags & DEFINEDNESS:
         result.append(torch.tensor(present, dtype=torch.bool))
     return result
 

@@ -489,7 +489,7 @@ def _replay(entry: CompiledBackward, capture, lifted, extra, hooks):
     steal = ops.input_storages(args) if entry.steals and entry.plan.steals else None
 
     def run():
-        with ops.replaying(capture, entry.plan.slots, hooks, steal), torch.no_grad():
+        with ops.replaying(capture, entry.plan.slots, hooks, steal, entry.steals), torch.no_grad():
             return list(entry(args))
 
     if entry.plan.slots:

@@ -243,7 +243,8 @@ class _BackwardTracer:
             ranks.append(len(shape))
             dtypes.append(ops._DTYPE_CODE[dtype])
             devices.append(ops.device_code(device))
-        outs = torch.ops.compiled_autograd.call(slot, list(args), sizes, ranks, dtypes, devices, flags)
+        bits = (ops.DEFINEDNESS | ops.KEEPS_INPUTS) if flags else 0
+        outs = torch.ops.compiled_autograd.call(slot, list(args), sizes, ranks, dtypes, devices, bits)
         flag = outs[-1] if flags else None
         it = iter(outs)
         positional = [next(it) if m else None for m in mask]
