@@ -460,3 +460,24 @@ def test_hooks_that_return_their_grad_unchanged_cost_no_copy(backend):
             assert copies <= eager_copies, (copies, eager_copies)
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_grad_a_hook_keeps_is_not_overwritten_by_the_graph(backend):
+    # a logging hook stores the grad it is given (and returns None); a later hook uses it.
+    # Inductor wrote later results into that buffer, through the call's input and through
+    # its output (the same tensor): both are kept from reuse (NOTE [Outputs the graph owns])
+    def build(log, step):
+        W = [leaf(8, 8) for _ in range(4)]
+        x = leaf(8, 8)
+        h, hs = x, []
+        for w in W:
+            h = torch.tanh(h @ w)
+            hs.append(h)
+        kept = {}
+        hs[2].register_hook(lambda g: kept.__setitem__("g2", g))
+        hs[1].register_hook(lambda g: log.append(("g2", kept["g2"].clone())))
+        hs[0].register_hook(lambda g: g + kept["g2"])
+        return (h * h).sum(), [x] + W
+
+    observe(build, backend=backend, background=False)

@@ -82,13 +82,16 @@ def _register_inductor_lowering() -> None:
         start = len(V.graph.operations)
         out = ir.FallbackKernel.create(op, slot, args, sizes, ranks, dtypes, devices, flags)
         if flags & ops.KEEPS_INPUTS:
-            # an output may be one of its inputs (a hook that returns its grad): no input
-            # buffer may be reused while that output lives (NOTE [Outputs the graph owns])
+            # a hook may keep a tensor it is given (a logging hook storing its grad), and
+            # return it unchanged as its output (NOTE [Outputs the graph owns]): no buffer of
+            # its inputs or outputs may be reused for another result
             for operation in V.graph.operations[start:]:
                 if isinstance(operation, ir.FallbackKernel):
                     for inp in operation.inputs:
                         if isinstance(inp, ir.IRNode) and inp.maybe_get_name() is not None:
                             V.graph.never_reuse_buffers.add(inp.get_name())
+                elif isinstance(operation, ir.MultiOutput):
+                    V.graph.never_reuse_buffers.add(operation.get_name())
         if list(sizes) == list(ops.HANDED_OVER) and not ranks:
             # the grad is the first argument (the others only order the call: NOTE
             # [Hooks may change what the graph reads] in trace.py)
