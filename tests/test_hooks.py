@@ -481,3 +481,38 @@ def test_a_grad_a_hook_keeps_is_not_overwritten_by_the_graph(backend):
         return (h * h).sum(), [x] + W
 
     observe(build, backend=backend, background=False)
+
+
+@pytest.mark.parametrize("kind", ["leaf", "nonleaf", "retain", "executed"])
+def test_grad_with_inputs_runs_the_inputs_tensor_hooks_as_eager(kind):
+    # torch.autograd.grad(out, inputs): a captured node that does not run still gets its
+    # tensor pre-hooks and retain_grad before the capture; one that runs (h, when x is an
+    # input too) is captured before them (the engine's evaluate_function)
+    def run(compiled, step):
+        torch.manual_seed(step)
+        x = leaf(4)
+        h = x.exp()
+        if kind == "leaf":
+            x.register_hook(lambda g: g * 3)
+            out, inputs = (x * x).sum(), [x]
+        elif kind == "nonleaf":
+            h.register_hook(lambda g: g * 3)
+            out, inputs = (h * h).sum(), [h]
+        elif kind == "retain":
+            h.retain_grad()
+            out, inputs = (h * h).sum(), [h]
+        else:
+            h.register_hook(lambda g: g * 3)
+            out, inputs = (h * h).sum(), [h, x]
+        if compiled:
+            with ca.enable("eager", fullgraph=True):
+                grads = torch.autograd.grad(out, inputs)
+        else:
+            grads = torch.autograd.grad(out, inputs)
+        return list(grads) + [h.grad]
+
+    for step in range(2):
+        got, want = run(True, step), run(False, step)
+        assert_grads_equal(got, want, what=f"step {step}")
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s

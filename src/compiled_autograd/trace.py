@@ -333,12 +333,16 @@ class _BackwardTracer:
             name, kind, execute, _, _, edges, caps, hooks, n_inputs, _, _ = node
             n_tensor_pre, n_retains, n_pre, n_post, post_acc = hooks
             values = buffers.pop(idx, [None] * n_inputs)
-            if n_tensor_pre or n_retains:
+            # grad() captures what reaches a node: after its tensor pre-hooks when the node
+            # does not run, before them when it does (the engine's evaluate_function)
+            if not execute and (n_tensor_pre or n_retains):
                 values = self._hook_call(ops.TENSOR_PRE_HOOKS, idx, values)
             for nr, out_idx in caps:
                 captured[out_idx] = self._result(values[nr])
             if not execute:
                 continue
+            if n_tensor_pre or n_retains:
+                values = self._hook_call(ops.TENSOR_PRE_HOOKS, idx, values)
             if n_pre:
                 values = self._hook_call(ops.PRE_HOOKS, idx, values)
             in_bits = self._input_bits(values)

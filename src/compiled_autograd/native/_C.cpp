@@ -1139,11 +1139,15 @@ class GraphCapture {
       node_key_offsets_.push_back(key_.size());
       append_pod(key_, ti.id);
       append_pod(key_, static_cast<uint8_t>(r.execute));
-      if (!r.execute) {
-        continue;
-      }
+      // a node grad() only captures at still runs its tensor pre-hooks and retain_grad
+      // before the capture, as the engine's evaluate_function does
       r.n_tensor_pre = fn->tensor_pre_hooks().size();
       r.n_retains = fn->retains_grad_hooks().size();
+      if (!r.execute) {
+        append_pod(key_, r.n_tensor_pre);
+        append_pod(key_, r.n_retains);
+        continue;
+      }
       r.n_pre = fn->pre_hooks().size();
       r.n_post = fn->post_hooks().size();
       if (r.kind == ACCUMULATE) {
