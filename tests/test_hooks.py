@@ -516,3 +516,38 @@ def test_grad_with_inputs_runs_the_inputs_tensor_hooks_as_eager(kind):
         assert_grads_equal(got, want, what=f"step {step}")
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+def test_multi_grad_hook_all_mode_fires_as_eager(filtered):
+    # register_multi_grad_hook(mode="all") counts the calls it waits for with
+    # torch._C._will_engine_execute_node, asked from inside our graph's run (NOTE [Engine
+    # queries from hooks]); it never fired. Under backward(inputs=[x]) c's branch
+    # does not run, and eager calls fn with None for it
+    def build(log, step):
+        x, y = leaf(4), leaf(4)
+        a, b, c = x.exp(), x.sin(), y.cos()
+        torch.autograd.graph.register_multi_grad_hook(
+            (a, b, c), lambda gs: log.append(tuple(g.clone() if g is not None else "none" for g in gs))
+        )
+        return (a * b).sum() + c.sum(), [x, y]
+
+    def run(compiled, step):
+        torch.manual_seed(step)
+        log = []
+        loss, leaves = build(log, step)
+        kwargs = {"inputs": [leaves[0]]} if filtered else {}
+        if compiled:
+            with ca.enable("eager", fullgraph=True):
+                loss.backward(**kwargs)
+        else:
+            loss.backward(**kwargs)
+        return grads_of(leaves), log
+
+    for step in range(2):
+        (got, got_log), (want, want_log) = run(True, step), run(False, step)
+        assert len(want_log) == 1
+        assert_grads_equal(got, want, what=f"step {step}")
+        _compare_logs(got_log, want_log, f"step {step} log")
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s

@@ -84,7 +84,8 @@ UNPACK = "unpack"  # a saved tensor's unpack hook (collect.py, NOTE [Unpacking i
 
 class _Replay(threading.local):
     def __init__(self):
-        self.stack: list = []  # (capture, slots, autograd keys excluded, hooks) of the backwards running on this thread
+        self.stack: list = []  # (capture, slots, autograd keys excluded, hooks, steal, keep) of the backwards running on this thread
+        self.tasks: list = []  # the graph task id each of them runs its calls in
 
 
 _replay = _Replay()
@@ -114,6 +115,7 @@ class replaying:
     """Context of one compiled graph run: where its slots resolve."""
 
     def __init__(self, capture, slots, hooks=(), steal=None, keep=False):
+        self.task = torch._C._current_graph_task_id()  # in_graph_task's, when calls run
         # hooks: (unpack_hook, packed) per hooked saved tensor, for UNPACK slots;
         # steal: None, or the graph inputs' storages when ACCUMULATE calls may
         # steal a fresh grad (NOTE [Stealing a fresh grad]); keep: the compiled code
@@ -123,9 +125,31 @@ class replaying:
 
     def __enter__(self):
         _replay.stack.append(self.frame)
+        _replay.tasks.append(self.task)
 
     def __exit__(self, *exc):
         _replay.stack.pop()
+        _replay.tasks.pop()
+
+
+# NOTE [Engine queries from hooks]
+# Hooks run inside a one-node eager graph task (graph_task.in_graph_task), so what
+# the engine answers about "the current backward" is about that task, not ours.
+# torch.autograd.graph.register_multi_grad_hook(mode="all") counts the calls it
+# waits for with torch._C._will_engine_execute_node: every node but that one
+# node read as "will not run", so it waited for none and never called its
+# function. While a graph of ours runs, that query (from its own graph task: not
+# a nested eager backward's) is answered from the captured graph instead.
+_engine_will_execute_node = torch._C._will_engine_execute_node
+
+
+def _will_engine_execute_node(node):
+    if _replay.stack and _replay.tasks[-1] != -1 and _replay.tasks[-1] == torch._C._current_graph_task_id():
+        return _replay.stack[-1][0].will_execute(node)
+    return _engine_will_execute_node(node)
+
+
+torch._C._will_engine_execute_node = _will_engine_execute_node
 
 
 def _call(

@@ -895,6 +895,24 @@ class GraphCapture {
     std::vector<at::Tensor>().swap(call_.tensor_args.inputs);
   }
 
+  // torch._C._will_engine_execute_node for a node of this backward, as the
+  // engine answers it: the node is reachable and, under grad(inputs=...), on a
+  // path to an input (register_multi_grad_hook counts the calls it waits for so)
+  bool will_execute(py::handle obj) const {
+    const Node* fn = nullptr;
+    if (THPFunction_Check(obj.ptr())) {
+      fn = reinterpret_cast<THPFunction*>(obj.ptr())->cdata.get();
+    } else if (torch::autograd::THPCppFunction_Check(obj.ptr())) {
+      fn = reinterpret_cast<torch::autograd::THPCppFunction*>(obj.ptr())->cdata.get();
+    }
+    TORCH_CHECK(fn != nullptr, "_will_engine_execute_node expects a grad_fn");
+    const NodeInfo* info = info_.find(fn);
+    if (info == nullptr) {
+      return false;
+    }
+    return !filtered_ || (info->index >= 0 && nodes_[info->index].execute);
+  }
+
   // Drop every reference to the graph (nodes, lifted tensors).
   void clear() {
     nodes_.clear();
@@ -1355,6 +1373,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("accumulate_owned", &GraphCapture::accumulate_owned)
       .def("apply_results", &GraphCapture::apply_results)
       .def("release", &GraphCapture::release)
+      .def("will_execute", &GraphCapture::will_execute)
       .def("drop_lifted", &GraphCapture::drop_lifted)
       .def("clear", &GraphCapture::clear)
       .def_readwrite("grad_mode", &GraphCapture::grad_mode);
