@@ -551,3 +551,63 @@ def test_multi_grad_hook_all_mode_fires_as_eager(filtered):
         _compare_logs(got_log, want_log, f"step {step} log")
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
+
+
+@pytest.mark.parametrize("kind", ["leaf_hook", "nonleaf_hook", "retain_grad"])
+def test_hook_registered_during_the_backward_on_a_node_without_hooks_raises(kind):
+    # eager runs a hook that an earlier hook registers on a node it has not reached; the
+    # graph has no call there (it ran the backward without it: x.grad off by 19). Now it
+    # raises; a hook added where the node already has hooks of that kind runs with them
+    def run(compiled, step):
+        torch.manual_seed(step)
+        x, w = leaf(4), leaf(4)
+        h = x * w
+        k = h.exp()
+        if kind == "leaf_hook":
+            w.register_hook(lambda g: g)  # one there already: a second one is followed
+
+        def hook(g):
+            if kind == "leaf_hook":
+                w.register_hook(lambda gw: gw * 10)
+            elif kind == "nonleaf_hook":
+                h.register_hook(lambda gh: gh * 10)
+            else:
+                h.retain_grad()
+
+        k.register_hook(hook)
+        if compiled:
+            with ca.enable("eager", fullgraph=True):
+                k.sum().backward()
+        else:
+            k.sum().backward()
+        return [x.grad, w.grad, h.grad]
+
+    for step in range(2):
+        if kind == "leaf_hook":
+            assert_grads_equal(run(True, step), run(False, step), what=f"step {step}")
+        else:
+            with pytest.raises(RuntimeError, match="has not reached"):
+                run(True, step)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_hook_that_modifies_the_users_root_grad_in_place_as_eager(backend):
+    # nothing else in the graph reads the root grad: the change is followed as in eager,
+    # the user's tensor included (it raised as a shared gradient)
+    def run(compiled, step):
+        torch.manual_seed(step)
+        x = leaf(4)
+        y = x.exp()
+        y.register_hook(lambda g: (g.mul_(2), None)[1])
+        g0 = torch.randn(4)
+        if compiled:
+            with ca.enable(backend, fullgraph=True):
+                y.backward(g0)
+        else:
+            y.backward(g0)
+        return [x.grad, g0]
+
+    for step in range(2):
+        assert_grads_equal(run(True, step), run(False, step), what=f"step {step}")
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s

@@ -80,6 +80,8 @@ POST_HOOKS = "post_hooks"
 NODE = "node"
 ACCUMULATE = "accumulate"
 UNPACK = "unpack"  # a saved tensor's unpack hook (collect.py, NOTE [Unpacking in the graph])
+# where in its node's steps a call runs (GraphCapture.hooks_added)
+_STAGE = {TENSOR_PRE_HOOKS: 0, PRE_HOOKS: 1, NODE: 2, POST_HOOKS: 2, ACCUMULATE: 2}
 
 
 class _Replay(threading.local):
@@ -176,9 +178,16 @@ def _call(
     _set_excluded(outside)
     try:
         if kind == ACCUMULATE:
-            return _accumulate(capture, node, args, steal if fresh else None)
-        keeps = keep and flags & KEEPS_INPUTS
-        outs = _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, flags, hooks, shared if keeps else None)
+            outs = _accumulate(capture, node, args, steal if fresh else None)
+        else:
+            keeps = keep and flags & KEEPS_INPUTS
+            outs = _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, flags, hooks, shared if keeps else None)
+        if kind != UNPACK and capture.hooks_added(node, _STAGE[kind]):
+            raise RuntimeError(
+                f"compiled_autograd: {kind.replace('_', ' ')} of {capture.node_name(node)} registered a hook "
+                "(or called retain_grad()) on a node this backward has not reached, which had none of that "
+                "kind: the compiled graph has no place to run it (register it before the backward)"
+            )
         for i, v in zip(shared, versions):
             if args[i] is not None and args[i]._version != v:
                 raise RuntimeError(

@@ -805,13 +805,13 @@ def _mark_shared_args(gm: torch.fx.GraphModule, slots: tuple) -> tuple:
         args = list(n.args[1])[: len(n.args[1]) - slot.in_flags]
         shared = tuple(
             i for i, a in enumerate(args)
-            if isinstance(a, torch.fx.Node) and (args.count(a) > 1 or not _read_only_here(a))
+            if isinstance(a, torch.fx.Node) and (args.count(a) > 1 or not _read_only_here(a, inputs_ok=True))
         )
         slots[n.args[0]] = slot._replace(shared=shared)
     return tuple(slots)
 
 
-def _read_only_here(grad: torch.fx.Node) -> bool:
+def _read_only_here(grad: torch.fx.Node, inputs_ok: bool = False) -> bool:
     """Whether `grad` is memory the graph made (an op's result or a view of one, not a
     view of a graph input) that nothing in the graph reads but the one call taking it:
     no other view of it, no other reader of it or of its base, not a graph result. A
@@ -822,8 +822,10 @@ def _read_only_here(grad: torch.fx.Node) -> bool:
 
     n = grad
     while True:
-        if len(n.users) != 1 or n.op != "call_function":
+        if len(n.users) != 1:
             return False
+        if n.op != "call_function":
+            return inputs_ok and n.op == "placeholder"  # `inputs_ok`: a graph input counts as made
         if not _aliases(n):
             return True  # the op that made it
         parent = n.args[0] if n.args else None

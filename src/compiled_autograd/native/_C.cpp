@@ -895,6 +895,32 @@ class GraphCapture {
     std::vector<at::Tensor>().swap(call_.tensor_args.inputs);
   }
 
+  // Whether user code run at node `idx` (stage 0: its tensor pre-hooks, 1: its
+  // pre-hooks, 2: the node or its post hooks) gave hooks to a node this backward
+  // has not reached, of a kind that node had none of: the graph has no call for
+  // them (eager would run them). Hooks added where a call exists run with it (the
+  // call runs the node's hooks as they are then), and removed ones are skipped.
+  bool hooks_added(size_t idx, int stage) const {
+    for (size_t j = idx; j < nodes_.size(); ++j) {
+      const auto& r = nodes_[j];
+      const auto& fn = r.fn;
+      if (j > idx && r.n_tensor_pre == 0 && r.n_retains == 0 &&
+          (!fn->tensor_pre_hooks().empty() || !fn->retains_grad_hooks().empty())) {
+        return true;
+      }
+      if (!r.execute) {
+        continue;
+      }
+      if ((j > idx || stage < 1) && r.n_pre == 0 && !fn->pre_hooks().empty()) {
+        return true;
+      }
+      if ((j > idx || stage < 2) && r.n_post == 0 && !fn->post_hooks().empty()) {
+        return true;
+      }
+    }
+    return false;
+  }
+
   // torch._C._will_engine_execute_node for a node of this backward, as the
   // engine answers it: the node is reachable and, under grad(inputs=...), on a
   // path to an input (register_multi_grad_hook counts the calls it waits for so)
@@ -1374,6 +1400,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("apply_results", &GraphCapture::apply_results)
       .def("release", &GraphCapture::release)
       .def("will_execute", &GraphCapture::will_execute)
+      .def("hooks_added", &GraphCapture::hooks_added)
       .def("drop_lifted", &GraphCapture::drop_lifted)
       .def("clear", &GraphCapture::clear)
       .def_readwrite("grad_mode", &GraphCapture::grad_mode);
