@@ -611,3 +611,34 @@ def test_hook_that_modifies_the_users_root_grad_in_place_as_eager(backend):
         assert_grads_equal(run(True, step), run(False, step), what=f"step {step}")
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
+
+
+class _KeepsWOnCtx(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, W):
+        ctx.W = W  # not save_for_backward: eager does no version check
+        return x * W
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.W, None
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_tensor_kept_on_ctx_that_an_earlier_hook_changes(backend):
+    # p's post-accumulate hook updates W in place before the Function's backward runs, and
+    # eager's backward reads the new W; inductor read the old one (x.grad off by 58). The
+    # Function runs as an opaque call, which is ordered after the hook's
+    def build(log, step):
+        x, p = leaf(16), leaf(16)
+        W = torch.randn(16)
+
+        def update(q):
+            with torch.no_grad():
+                W.add_(q.grad * 0.5)
+
+        p.register_post_accumulate_grad_hook(update)
+        return (_KeepsWOnCtx.apply(x, W).exp() * p).sum(), [x, p]
+
+    observe(build, backend=backend, n_opaque=1, background=False)
+    assert any("kept on ctx" in r for r in ca.stats().opaque_reasons)

@@ -386,6 +386,12 @@ class _BackwardTracer:
             if not self.c.pynodes[idx].flags[0] and any(v is not None and v.bits is not None for v in values):
                 # its backward sees None for an undefined grad, and may branch on it
                 raise NeedsOpaque(idx, "set_materialize_grads(False) and a grad that may be None at run time")
+            if self.c.pynodes[idx].attrs and any(slot.kind != ops.UNPACK for slot in self.slots):
+                # a tensor kept on ctx (not save_for_backward: no version check) that a hook
+                # before it may change in place; eager reads the new value. A compiler may
+                # move a read past a call but not another call: the node runs as one (NOTE
+                # [Hooks may change what the graph reads])
+                raise NeedsOpaque(idx, "reads tensors kept on ctx, which a hook before it may change")
             return self._pynode(idx, tensors, args)
         defined = [v for v in values if v is not None]
         if len(defined) > 1 and any(v.bits is not None for v in defined):
@@ -747,7 +753,10 @@ def _order_reads_before_calls(gm: torch.fx.GraphModule, slots: tuple) -> tuple:
     comes before a call in the traced order becomes an argument of that call, unused by
     it, which orders the read before the call, as the unpack calls' arguments do (the
     last `n_after` arguments: ops.call drops them). Calls are ordered among themselves,
-    so each call needs only the reads since the one before it."""
+    so each call needs only the reads since the one before it. Reads after a call are not
+    ordered after it: a saved tensor that a hook changed before its node runs is eager's
+    version-counter error, but a custom Function's tensor kept on ctx has no such check, so
+    such a Function after a call runs as an opaque call itself (`_apply`)."""
     from .create_graph import _aliases
 
     call = torch.ops.compiled_autograd.call.default
