@@ -62,3 +62,12 @@ def parity(
     assert end.eager_fallbacks == start.eager_fallbacks, end.fallback_reasons
     assert end.captures - start.captures == captures, f"captures: {end}"
     assert end.hits - start.hits == steps - captures, f"hits: {end}"
+
+
+def copies_in(fn) -> int:
+    """The aten::copy_ calls of non-scalar tensors `fn` makes (AccumulateGrad's copy of a
+    grad it cannot steal, a copy of what a hook returned; a scalar is the engine task our
+    hooks run in)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name == "aten::copy_" and e.input_shapes and e.input_shapes[0])

@@ -3,6 +3,7 @@
 import torch
 
 import compiled_autograd as ca
+from helpers import copies_in
 
 
 def both(fn, leaves_factory, backend="eager"):
@@ -109,14 +110,6 @@ def test_mixed_precision_leaf():
         torch.testing.assert_close(a.grad, b.grad)
 
 
-def _copies_in(fn):
-    """The aten::copy_ calls of non-scalar tensors `fn` makes (AccumulateGrad's copy of a
-    grad it cannot steal; a scalar is the engine task our hooks run in)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-        fn()
-    return sum(1 for e in prof.events() if e.name == "aten::copy_" and e.input_shapes and e.input_shapes[0])
-
-
 def test_in_graph_accumulate_steals_a_fresh_grad_as_eager_and_copies_a_users_tensor():
     # a post-accumulate hook puts AccumulateGrad inside the graph (NOTE [Stealing a fresh
     # grad]): W's grad is the graph's own mm result, stolen as eager steals it; x's grad is
@@ -141,7 +134,7 @@ def test_in_graph_accumulate_steals_a_fresh_grad_as_eager_and_copies_a_users_ten
                     else:
                         out.backward(g)
 
-                copies = _copies_in(backward)
+                copies = copies_in(backward)
                 g.add_(1.0)  # the user's tensor changes afterwards: no grad may alias it
                 runs.append((copies, [w.grad.clone(), x.grad.clone()], seen))
             (eager_copies, want, want_seen), (copies, got, got_seen) = runs
@@ -262,7 +255,7 @@ def test_a_grad_from_a_multi_output_op_is_still_stolen():
                     else:
                         out.backward()
 
-                copies = _copies_in(backward)
+                copies = copies_in(backward)
                 runs.append((copies, [x.grad, conv.weight.grad, conv.bias.grad]))
             (eager_copies, want), (copies, got) = runs
             for a, b in zip(got, want):

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import compiled_autograd as ca
-from helpers import assert_grads_equal, grads_of
+from helpers import assert_grads_equal, copies_in, grads_of
 
 
 def _compare_logs(got, want, what):
@@ -416,12 +416,6 @@ def test_hook_that_modifies_a_shared_gradient_in_place_raises(backend):
         run(True, 0, True)
 
 
-def _copies_in(fn):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-        fn()
-    return sum(1 for e in prof.events() if e.name == "aten::copy_" and e.input_shapes and e.input_shapes[0])
-
-
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_hooks_that_return_their_grad_unchanged_cost_no_copy(backend):
     # logging hooks (returning None) on every parameter and on activations: each call gives
@@ -447,7 +441,7 @@ def test_hooks_that_return_their_grad_unchanged_cost_no_copy(backend):
             else:
                 out.backward(torch.ones(8, 8))
 
-        copies = _copies_in(backward)
+        copies = copies_in(backward)
         return copies, [p.grad for p in model.parameters()], seen
 
     for step in range(2):
