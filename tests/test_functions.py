@@ -483,3 +483,71 @@ def test_function_saving_none_is_traced():
         return SavesNone.apply(x, None).pow(2).sum(), [x]
 
     observe(build)
+
+
+_SCALE = 1.0
+
+
+class _GlobalScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * _SCALE  # a global: a trace would freeze it
+
+
+class _ModuleScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, m):
+        ctx.m = m  # its attributes are not keyed
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.m.scale, None
+
+
+class _CtxScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale  # keyed by value: compiled, one graph per value
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+@pytest.mark.parametrize("kind", ["global", "module", "ctx"])
+def test_a_backward_that_reads_python_state_sees_its_current_value(kind):
+    # a gradient-reversal scale annealed between steps: read from a global or from a module
+    # kept on ctx, a trace froze the first step's value into the graph and every hit used it
+    # (NOTE [Python state a backward reads]); such a Function runs opaquely. Kept on ctx by
+    # value it stays compiled
+    global _SCALE
+    holder = torch.nn.Module()
+
+    def apply(x):
+        if kind == "global":
+            return _GlobalScale.apply(x)
+        if kind == "module":
+            return _ModuleScale.apply(x, holder)
+        return _CtxScale.apply(x, _SCALE)
+
+    for step, scale in enumerate([1.0, 3.0, 3.0]):
+        _SCALE = holder.scale = scale
+        x = leaf(4)
+        apply(x).sum().backward()
+        want, x.grad = x.grad, None
+        loss = apply(x).sum()
+        with ca.enable("eager", fullgraph=True):
+            loss.backward()
+        torch.testing.assert_close(x.grad, want, msg=f"step {step}")
+    s = ca.stats()
+    assert s.eager_fallbacks == 0, s.fallback_reasons
+    if kind == "ctx":
+        assert (s.captures, s.hits, s.opaque_nodes) == (2, 1, 0), s
+    else:
+        assert s.opaque_nodes == 3 and (s.captures, s.hits) == (1, 2), s

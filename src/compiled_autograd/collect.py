@@ -36,6 +36,7 @@ from __future__ import annotations
 import enum
 import functools
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,9 +135,11 @@ _BY_IDENTITY = (types.FunctionType, types.BuiltinFunctionType, types.MethodType,
                 torch.nn.Module)
 
 
-def _value_key(v, lift: _Lifter):
+def _value_key(v, lift: _Lifter, user: bool = True):
     """A hashable description of a ctx attribute: scalars by value, tensors by
-    lifted position, functions/classes/modules by identity."""
+    lifted position, functions/classes/modules by identity (a user's Function's
+    modules and classes, and functions that read state, are unkeyable: NOTE [Python
+    state a backward reads])."""
     if isinstance(v, torch.Tensor):
         return ("T", lift(v))
     if isinstance(v, _SCALARS):
@@ -144,16 +147,153 @@ def _value_key(v, lift: _Lifter):
     if isinstance(v, torch.Size):
         return ("S", tuple(v))
     if isinstance(v, (tuple, list)):
-        return (type(v), tuple(_value_key(x, lift) for x in v))
+        return (type(v), tuple(_value_key(x, lift, user) for x in v))
     if isinstance(v, dict):
         try:
             items = sorted(v.items(), key=lambda kv: repr(kv[0]))
         except Exception as e:  # pragma: no cover
             raise _Unkeyable(str(e))
-        return ("D", tuple((k, _value_key(x, lift)) for k, x in items))
+        return ("D", tuple((k, _value_key(x, lift, user)) for k, x in items))
+    if user and isinstance(v, torch.nn.Module):
+        # its attributes are state a backward may read (NOTE [Python state a backward reads])
+        raise _Unkeyable(f"ctx.{type(v).__name__} (a module: its attributes are not keyed)")
+    if user and isinstance(v, type) and not _pure_module(getattr(v, "__module__", "") or ""):
+        raise _Unkeyable(f"ctx.{v.__qualname__} (a class: its attributes are not keyed)")
+    if user and isinstance(v, types.FunctionType):
+        why = _code_reads_state(v)
+        if why is not None:
+            raise _Unkeyable(f"a function on ctx reads {why}")
     if isinstance(v, _BY_IDENTITY):
         return ("id", v)
     raise _Unkeyable(f"ctx.{type(v).__name__} value")
+
+
+# NOTE [Python state a backward reads]
+# A custom Function's backward is traced once per key: a Python number it reads
+# from anywhere but ctx (a global, a class attribute, a closure, an attribute of
+# a module kept on ctx: a gradient-reversal lambda or a temperature annealed
+# between steps) becomes a constant of the graph, and the next step's hit would
+# use the old value. ctx's own attributes are keyed by value; for the rest the
+# backward's code is read (and that of the user functions it calls, a few levels
+# deep): names that resolve to modules, functions, classes and constants of torch
+# and the standard library are fine, anything else is state, and the node runs
+# opaquely (as is, every step). An nn.Module or other object kept on ctx is state
+# too (its attributes are not keyed).
+_PURE_MODULES = ("torch", "math", "cmath", "operator", "functools", "itertools", "numbers", "typing",
+                 "builtins", "collections", "enum", "warnings", "numpy", "compiled_autograd", "_pytest")
+
+
+def _pure_module(name: str) -> bool:
+    return name.split(".")[0] in _PURE_MODULES
+
+
+def _state_in(v, depth: int, seen: set) -> str | None:
+    """Why reading `v` (a global, closure or ctx value) is reading state, or None."""
+    if isinstance(v, types.ModuleType):
+        return None if _pure_module(v.__name__) else f"module {v.__name__}"
+    if isinstance(v, (types.BuiltinFunctionType, types.BuiltinMethodType, torch._ops.OpOverloadPacket,
+                      torch._ops.OpOverload, type(None), bool, str, bytes, torch.dtype, torch.device)):
+        return None
+    if isinstance(v, type):
+        if _pure_module(getattr(v, "__module__", "") or "") or issubclass(v, torch.autograd.Function):
+            return None
+        return f"class {v.__qualname__}"
+    if isinstance(v, types.FunctionType):
+        if _pure_module(getattr(v, "__module__", "") or ""):
+            return None
+        return _code_reads_state(v, depth + 1, seen)
+    if isinstance(v, (staticmethod, classmethod)):
+        return _state_in(v.__func__, depth, seen)
+    return f"a {type(v).__name__}"
+
+
+def _code_reads_state(fn, depth: int = 0, seen: set | None = None) -> str | None:
+    """Why `fn`'s code reads Python state a trace would freeze, or None (NOTE [Python
+    state a backward reads])."""
+    seen = set() if seen is None else seen
+    if fn in seen:
+        return None
+    seen.add(fn)
+    if depth > 3:
+        return f"{fn.__qualname__} (calls nested too deep to read)"
+    import builtins
+    import dis
+
+    code = fn.__code__
+    cells = dict(zip(code.co_freevars, (c.cell_contents if _cell_full(c) else None for c in fn.__closure__ or ())))
+    codes = [code]
+    while codes:
+        c = codes.pop()
+        instructions = list(dis.get_instructions(c))
+        for i, ins in enumerate(instructions):
+            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF"):
+                name, closure = ins.argval, ins.opname in ("LOAD_DEREF", "LOAD_CLASSDEREF")
+                if closure:
+                    if name not in cells:
+                        continue  # a local cell of this function
+                    v = cells[name]
+                elif name in fn.__globals__:
+                    v = fn.__globals__[name]
+                elif hasattr(builtins, name):
+                    continue
+                else:
+                    return f"global {name}"
+                what = f"{'closure' if closure else 'global'} {name}"
+                why = _state_in(v, depth, seen)
+                if why is None and isinstance(v, type) and not _pure_module(getattr(v, "__module__", "") or ""):
+                    why = _class_attr_state(v, instructions[i + 1 : i + 2])  # MyFunction.scale
+                if why is not None:
+                    return f"{what} ({why})"
+            elif ins.opname == "IMPORT_NAME" and not _pure_module(ins.argval):
+                return f"import {ins.argval}"
+        codes.extend(k for k in c.co_consts if isinstance(k, types.CodeType))  # nested functions, lambdas
+    return None
+
+
+def _class_attr_state(cls, following) -> str | None:
+    """A user class's attribute read right after loading the class: state unless a function."""
+    import inspect
+
+    for ins in following:
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            try:
+                v = inspect.getattr_static(cls, ins.argval)
+            except AttributeError:
+                return f"attribute {ins.argval}"
+            if not isinstance(v, (types.FunctionType, staticmethod, classmethod, property, types.BuiltinFunctionType,
+                                  types.MethodDescriptorType, types.WrapperDescriptorType, types.ClassMethodDescriptorType)):
+                return f"class attribute {ins.argval}"
+    return None
+
+
+def _cell_full(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def backward_reads_state(cls) -> str | None:
+    """Why a custom Function's backward (or vjp) reads Python state, cached per class."""
+    cached = _STATE_READS.get(cls, _MISSING)
+    if cached is _MISSING and _pure_module(getattr(cls, "__module__", "") or ""):
+        cached = _STATE_READS[cls] = None  # torch's and ours (create_graph's DifferentiableGraph)
+    if cached is _MISSING:
+        # the function PyNode calls: vjp where overridden, else backward
+        vjp = getattr(cls, "vjp", None)
+        fn = vjp if vjp is not None and vjp is not torch.autograd.Function.vjp else getattr(cls, "backward", None)
+        fn = getattr(fn, "__func__", fn)
+        try:
+            cached = _code_reads_state(fn) if isinstance(fn, types.FunctionType) else "a backward that is not a function"
+        except Exception as e:  # another Python's bytecode
+            cached = f"its backward could not be read ({type(e).__name__})"
+        _STATE_READS[cls] = cached
+    return cached
+
+
+_MISSING = object()
+_STATE_READS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _has_tensor(v) -> bool:
@@ -178,12 +318,17 @@ def _collect_pynode(capture, idx: int, lift: _Lifter) -> tuple[tuple, PyNodeInfo
     # reading saved_tensors runs eager's own checks (freed graph, version
     # counter) and saved-tensor unpack hooks
     saved = node.saved_tensors
+    user = not _pure_module(getattr(cls, "__module__", "") or "")
+    why = backward_reads_state(cls)
+    if why is not None:
+        info.opaque_reason = f"{node.name()}: its backward reads {why}, which a trace would freeze"
+        return ("py", cls, "opaque", info.opaque_reason), info
     try:
         info.saved = tuple(lift(t) if t is not None else -1 for t in saved)
         attrs = []
         attr_keys = []
         for name, value in sorted(vars(node).items()):
-            attr_keys.append((name, _value_key(value, lift)))
+            attr_keys.append((name, _value_key(value, lift, user)))
             if _has_tensor(value):
                 attrs.append((name, value))
         info.attrs = tuple(attrs)
