@@ -1,6 +1,7 @@
 """Dynamic shapes: one symbolic capture serves many sizes; guards never let a
 graph run on sizes it was not valid for."""
 
+import math
 import random
 
 import pytest
@@ -239,3 +240,32 @@ def test_checkpointed_blocks_many_batch_sizes_two_captures(backend):
     from compiled_autograd.runtime import capture_log
 
     assert "unpacked#0.shape[0]" in capture_log()[1]["dynamic"]  # their shapes are symbolic
+
+
+class _SqrtOfBatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sin()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * x.cos() / math.sqrt(x.shape[0])  # the batch size as a Python number
+
+
+def test_a_backward_that_specializes_on_a_size_gets_a_few_dynamic_graphs_then_static_ones():
+    # each dynamic graph guards on the one batch size it was traced with: after
+    # MAX_DYNAMIC_PER_KEY of them the key takes static graphs (before: a new dynamic graph
+    # per batch size, each lookup evaluating the guards of all of them)
+    w = torch.randn(4, requires_grad=True)
+    for b in [3, 5, 6, 2, 8, 4, 7, 9]:
+        x = torch.randn(b, 4)
+        want = torch.autograd.grad(_SqrtOfBatch.apply(x * w).sum(), w)[0]
+        loss = _SqrtOfBatch.apply(x * w).sum()
+        with ca.enable("eager"):
+            (got,) = torch.autograd.grad(loss, w)
+        torch.testing.assert_close(got, want)
+    s = ca.stats()
+    assert s.eager_fallbacks == 0 and s.captures == 8, s
+    assert s.dynamic_captures <= 3, s

@@ -413,6 +413,10 @@ def _plan_capture(cfg: Config, fam, collected) -> tuple[tuple | None, str]:
                 covered[i] = True
             elif e.sizes[i] != v:
                 changed[i] = True
+    # a position a dynamic graph already covers did not change in the sense that matters:
+    # that graph's guards failed (it specialized: a backward that turns a size into a
+    # Python number), which is bounded below, not a reason for yet another dynamic graph
+    changed = [c and not cov for c, cov in zip(changed, covered)]
     mask = tuple(a or b for a, b in zip(covered, changed))
     if not any(changed):
         if len(fam.dynamic) >= MAX_DYNAMIC_PER_KEY:
