@@ -32,7 +32,9 @@ skips an undefined grad's terms, where zeros could make NaN (0 * inf).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import operator
 import threading
 from dataclasses import dataclass
@@ -662,7 +664,7 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
 
         grad_mode, collected.capture.grad_mode = collected.capture.grad_mode, create_graph
         try:
-            with torch.set_grad_enabled(create_graph), mode:
+            with torch.set_grad_enabled(create_graph), mode, _quiet_fake_tensor_errors():
                 gm = make_fx(backward_graph, tracing_mode="real", _allow_non_fake_inputs=False)(*fakes, *symints)
         except NeedsOpaque as e:
             opaque_extra[e.idx] = e.reason
@@ -693,6 +695,20 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
         )
         return Captured(gm, plan, fakes + symints, real_mask, size_inputs, None, shape_env)
     raise RuntimeError("compiled_autograd: could not trace this backward")
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_errors():
+    """A formula that fails on fake tensors (a meta kernel that needs concrete sizes under a
+    dynamic trace) makes that node opaque (NeedsOpaque); torch's fake-tensor code also logs
+    the failure with its traceback at error level, which is not the user's error."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _reads_saved(slots, nodes, pynodes) -> bool:
