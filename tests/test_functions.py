@@ -486,6 +486,7 @@ def test_function_saving_none_is_traced():
 
 
 _SCALE = 1.0
+_SCALES = [1.0]
 
 
 class _GlobalScale(torch.autograd.Function):
@@ -495,7 +496,17 @@ class _GlobalScale(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return g * _SCALE  # a global: a trace would freeze it
+        return g * _SCALE  # a global number: keyed by value
+
+
+class _GlobalListScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * _SCALES[0]  # a global list: state a trace would freeze
 
 
 class _ModuleScale(torch.autograd.Function):
@@ -520,24 +531,26 @@ class _CtxScale(torch.autograd.Function):
         return g * ctx.scale, None
 
 
-@pytest.mark.parametrize("kind", ["global", "module", "ctx"])
+@pytest.mark.parametrize("kind", ["global", "list", "module", "ctx"])
 def test_a_backward_that_reads_python_state_sees_its_current_value(kind):
-    # a gradient-reversal scale annealed between steps: read from a global or from a module
-    # kept on ctx, a trace froze the first step's value into the graph and every hit used it
-    # (NOTE [Python state a backward reads]); such a Function runs opaquely. Kept on ctx by
-    # value it stays compiled
+    # a gradient-reversal scale annealed between steps: read from a global list or from a
+    # module kept on ctx, a trace froze the first step's value into the graph and every hit
+    # used it (NOTE [Python state a backward reads]); such a Function runs opaquely. A global
+    # number, or a value kept on ctx, is keyed by value and stays compiled
     global _SCALE
     holder = torch.nn.Module()
 
     def apply(x):
         if kind == "global":
             return _GlobalScale.apply(x)
+        if kind == "list":
+            return _GlobalListScale.apply(x)
         if kind == "module":
             return _ModuleScale.apply(x, holder)
         return _CtxScale.apply(x, _SCALE)
 
     for step, scale in enumerate([1.0, 3.0, 3.0]):
-        _SCALE = holder.scale = scale
+        _SCALE = _SCALES[0] = holder.scale = scale
         x = leaf(4)
         apply(x).sum().backward()
         want, x.grad = x.grad, None
@@ -547,7 +560,7 @@ def test_a_backward_that_reads_python_state_sees_its_current_value(kind):
         torch.testing.assert_close(x.grad, want, msg=f"step {step}")
     s = ca.stats()
     assert s.eager_fallbacks == 0, s.fallback_reasons
-    if kind == "ctx":
+    if kind in ("ctx", "global"):
         assert (s.captures, s.hits, s.opaque_nodes) == (2, 1, 0), s
     else:
         assert s.opaque_nodes == 3 and (s.captures, s.hits) == (1, 2), s

@@ -160,9 +160,10 @@ def _value_key(v, lift: _Lifter, user: bool = True):
     if user and isinstance(v, type) and not _pure_module(getattr(v, "__module__", "") or ""):
         raise _Unkeyable(f"ctx.{v.__qualname__} (a class: its attributes are not keyed)")
     if user and isinstance(v, types.FunctionType):
-        why = _code_reads_state(v)
+        why, values = state_key(v)
         if why is not None:
             raise _Unkeyable(f"a function on ctx reads {why}")
+        return ("fn", v, values)
     if isinstance(v, _BY_IDENTITY):
         return ("id", v)
     raise _Unkeyable(f"ctx.{type(v).__name__} value")
@@ -175,10 +176,12 @@ def _value_key(v, lift: _Lifter, user: bool = True):
 # between steps) becomes a constant of the graph, and the next step's hit would
 # use the old value. ctx's own attributes are keyed by value; for the rest the
 # backward's code is read (and that of the user functions it calls, a few levels
-# deep): names that resolve to modules, functions, classes and constants of torch
-# and the standard library are fine, anything else is state, and the node runs
-# opaquely (as is, every step). An nn.Module or other object kept on ctx is state
-# too (its attributes are not keyed).
+# deep): names that resolve to modules, functions and classes of torch and the
+# standard library are fine; globals, closure cells and class attributes holding
+# immutable values (numbers, strings, dtypes, tuples of them) are read again at
+# every collect and keyed by value, as ctx's attributes are; anything else is
+# state, and the node runs opaquely (as is, every step). An nn.Module or user class
+# kept on ctx is state too (its attributes are not keyed).
 _PURE_MODULES = ("torch", "math", "cmath", "operator", "functools", "itertools", "numbers", "typing",
                  "builtins", "collections", "enum", "warnings", "numpy", "compiled_autograd", "_pytest")
 
@@ -187,7 +190,7 @@ def _pure_module(name: str) -> bool:
     return name.split(".")[0] in _PURE_MODULES
 
 
-def _state_in(v, depth: int, seen: set) -> str | None:
+def _state_in(v, depth: int, seen: set, keyed: list) -> str | None:
     """Why reading `v` (a global, closure or ctx value) is reading state, or None."""
     if isinstance(v, types.ModuleType):
         return None if _pure_module(v.__name__) else f"module {v.__name__}"
@@ -201,16 +204,23 @@ def _state_in(v, depth: int, seen: set) -> str | None:
     if isinstance(v, types.FunctionType):
         if _pure_module(getattr(v, "__module__", "") or ""):
             return None
-        return _code_reads_state(v, depth + 1, seen)
+        return _code_reads_state(v, depth + 1, seen, keyed)
     if isinstance(v, (staticmethod, classmethod)):
-        return _state_in(v.__func__, depth, seen)
+        return _state_in(v.__func__, depth, seen, keyed)
     return f"a {type(v).__name__}"
 
 
-def _code_reads_state(fn, depth: int = 0, seen: set | None = None) -> str | None:
+def _immutable(v) -> bool:
+    return isinstance(v, _SCALARS) or (type(v) is tuple and all(_immutable(x) for x in v))
+
+
+def _code_reads_state(fn, depth: int = 0, seen: set | None = None, keyed: list | None = None) -> str | None:
     """Why `fn`'s code reads Python state a trace would freeze, or None (NOTE [Python
-    state a backward reads])."""
+    state a backward reads]). The reads of globals, closure cells and class attributes
+    that hold immutable values (numbers, strings, dtypes, tuples of them) go to `keyed`
+    as (container, name): their values are part of the key."""
     seen = set() if seen is None else seen
+    keyed = [] if keyed is None else keyed
     if fn in seen:
         return None
     seen.add(fn)
@@ -239,9 +249,12 @@ def _code_reads_state(fn, depth: int = 0, seen: set | None = None) -> str | None
                 else:
                     return f"global {name}"
                 what = f"{'closure' if closure else 'global'} {name}"
-                why = _state_in(v, depth, seen)
+                if _immutable(v):
+                    keyed.append((fn.__closure__[code.co_freevars.index(name)], None) if closure else (fn.__globals__, name))
+                    continue
+                why = _state_in(v, depth, seen, keyed)
                 if why is None and isinstance(v, type) and not _pure_module(getattr(v, "__module__", "") or ""):
-                    why = _class_attr_state(v, instructions[i + 1 : i + 2])  # MyFunction.scale
+                    why = _class_attr_state(v, instructions[i + 1 : i + 2], keyed)  # MyFunction.scale
                 if why is not None:
                     return f"{what} ({why})"
             elif ins.opname == "IMPORT_NAME" and not _pure_module(ins.argval):
@@ -250,8 +263,9 @@ def _code_reads_state(fn, depth: int = 0, seen: set | None = None) -> str | None
     return None
 
 
-def _class_attr_state(cls, following) -> str | None:
-    """A user class's attribute read right after loading the class: state unless a function."""
+def _class_attr_state(cls, following, keyed: list) -> str | None:
+    """A user class's attribute read right after loading the class: state unless a
+    function, or an immutable value (keyed)."""
     import inspect
 
     for ins in following:
@@ -260,8 +274,10 @@ def _class_attr_state(cls, following) -> str | None:
                 v = inspect.getattr_static(cls, ins.argval)
             except AttributeError:
                 return f"attribute {ins.argval}"
-            if not isinstance(v, (types.FunctionType, staticmethod, classmethod, property, types.BuiltinFunctionType,
-                                  types.MethodDescriptorType, types.WrapperDescriptorType, types.ClassMethodDescriptorType)):
+            if _immutable(v):
+                keyed.append((cls, ins.argval))
+            elif not isinstance(v, (types.FunctionType, staticmethod, classmethod, property, types.BuiltinFunctionType,
+                                    types.MethodDescriptorType, types.WrapperDescriptorType, types.ClassMethodDescriptorType)):
                 return f"class attribute {ins.argval}"
     return None
 
@@ -274,22 +290,50 @@ def _cell_full(cell) -> bool:
     return True
 
 
-def backward_reads_state(cls) -> str | None:
-    """Why a custom Function's backward (or vjp) reads Python state, cached per class."""
-    cached = _STATE_READS.get(cls, _MISSING)
-    if cached is _MISSING and _pure_module(getattr(cls, "__module__", "") or ""):
-        cached = _STATE_READS[cls] = None  # torch's and ours (create_graph's DifferentiableGraph)
+def _scan(fn) -> tuple:
+    """(why `fn` reads state, or None; its keyed reads), cached per function."""
+    cached = _STATE_READS.get(fn, _MISSING)
     if cached is _MISSING:
-        # the function PyNode calls: vjp where overridden, else backward
-        vjp = getattr(cls, "vjp", None)
-        fn = vjp if vjp is not None and vjp is not torch.autograd.Function.vjp else getattr(cls, "backward", None)
-        fn = getattr(fn, "__func__", fn)
+        keyed: list = []
         try:
-            cached = _code_reads_state(fn) if isinstance(fn, types.FunctionType) else "a backward that is not a function"
+            why = _code_reads_state(fn, keyed=keyed)
         except Exception as e:  # another Python's bytecode
-            cached = f"its backward could not be read ({type(e).__name__})"
-        _STATE_READS[cls] = cached
+            why = f"code that could not be read ({type(e).__name__})"
+        cached = _STATE_READS[fn] = (why, tuple(keyed))
     return cached
+
+
+def state_key(fn) -> tuple:
+    """(why `fn` reads Python state a trace would freeze, or None; the current values of
+    the immutable globals, closure cells and class attributes it reads: for the key)."""
+    why, keyed = _scan(fn)
+    if why is not None:
+        return why, ()
+    values = []
+    for container, name in keyed:
+        if name is None:  # a closure cell
+            v = container.cell_contents if _cell_full(container) else _MISSING
+        elif isinstance(container, dict):
+            v = container.get(name, _MISSING)
+        else:
+            v = getattr(container, name, _MISSING)
+        if not _immutable(v):
+            return f"{name or 'a closure value'} (now a {type(v).__name__})", ()
+        values.append((type(v), v))
+    return None, tuple(values)
+
+
+def backward_state_key(cls) -> tuple:
+    """`state_key` of the function a custom Function's PyNode calls: vjp where
+    overridden, else backward. Torch's and ours (create_graph's) read none."""
+    if _pure_module(getattr(cls, "__module__", "") or ""):
+        return None, ()
+    vjp = getattr(cls, "vjp", None)
+    fn = vjp if vjp is not None and vjp is not torch.autograd.Function.vjp else getattr(cls, "backward", None)
+    fn = getattr(fn, "__func__", fn)
+    if not isinstance(fn, types.FunctionType):
+        return "a backward that is not a function", ()
+    return state_key(fn)
 
 
 _MISSING = object()
@@ -319,7 +363,7 @@ def _collect_pynode(capture, idx: int, lift: _Lifter) -> tuple[tuple, PyNodeInfo
     # counter) and saved-tensor unpack hooks
     saved = node.saved_tensors
     user = not _pure_module(getattr(cls, "__module__", "") or "")
-    why = backward_reads_state(cls)
+    why, state = backward_state_key(cls)
     if why is not None:
         info.opaque_reason = f"{node.name()}: its backward reads {why}, which a trace would freeze"
         return ("py", cls, "opaque", info.opaque_reason), info
@@ -335,7 +379,7 @@ def _collect_pynode(capture, idx: int, lift: _Lifter) -> tuple[tuple, PyNodeInfo
     except _Unkeyable as e:
         info.opaque_reason = f"{node.name()}: {e}"
         return ("py", cls, "opaque", info.opaque_reason), info
-    key = ("py", cls, flags, tuple(node.needs_input_grad), info.saved, tuple(attr_keys))
+    key = ("py", cls, flags, tuple(node.needs_input_grad), info.saved, tuple(attr_keys), state)
     return key, info
 
 
