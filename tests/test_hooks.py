@@ -636,3 +636,20 @@ def test_a_tensor_kept_on_ctx_that_an_earlier_hook_changes(backend):
 
     observe(build, backend=backend, n_opaque=1, background=False)
     assert any("kept on ctx" in r for r in ca.stats().opaque_reasons)
+
+
+def test_a_leaf_hook_that_reads_a_saved_tensor_gets_a_clear_error_on_a_hit():
+    # a known limit (Plan.reads_saved): hooks on leaves are not expected to read other
+    # nodes' saved tensors, which a hit frees before the graph runs. The first backward
+    # works; a hit raises, saying why, rather than eager's "backward through the graph a
+    # second time"
+    def run():
+        x, w = leaf(4, 3), leaf(3, 3)
+        b = (x * 2).sin()
+        w.register_hook(lambda g: b.grad_fn._saved_self.sum() and None)
+        with ca.enable("eager"):
+            (b @ w).sum().backward()
+
+    run()
+    with pytest.raises(RuntimeError, match="had freed before the graph ran"):
+        run()

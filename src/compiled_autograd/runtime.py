@@ -646,6 +646,14 @@ def _run_backward(
         if released or (entry is not None and entry.plan.slots):
             # opaque calls (hooks, nodes) may have run, or the saved tensors are
             # gone: never run the backward twice
+            if released and "already been freed" in str(e):
+                raise RuntimeError(
+                    "compiled_autograd: a hook read a saved tensor of this backward (e.g. "
+                    "`grad_fn._saved_self`), which compiled_autograd had freed before the graph ran: "
+                    "it frees them early when only hooks on leaves, AccumulateGrad and module "
+                    "full-backward hooks are in the graph (Plan.reads_saved). Read what the hook "
+                    f"needs in the forward, or run this backward without compiled_autograd. ({e})"
+                ) from e
             raise
         capture.clear()
         pause.resume()
