@@ -653,3 +653,36 @@ def test_a_leaf_hook_that_reads_a_saved_tensor_gets_a_clear_error_on_a_hit():
     run()
     with pytest.raises(RuntimeError, match="had freed before the graph ran"):
         run()
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_hook_that_changes_a_saved_tensor_before_its_node_gets_eagers_error(backend):
+    # MulBackward0 of (x * a) saved `a`; k's hook changes `a` in place before that node runs:
+    # eager raises its version-counter error there. The first step's hook changes nothing
+    # (captured, correct); the second step's, a hit, changes `a` and must raise as eager does
+    def run(compiled, step):
+        torch.manual_seed(step)
+        x, w = leaf(4), leaf(4)
+        a = torch.randn(4)
+        k = ((x * a) * w).sin()
+
+        def hook(g):
+            if step == 1:
+                with torch.no_grad():
+                    a.add_(1.0)
+
+        k.register_hook(hook)
+        if compiled:
+            with ca.enable(backend, fullgraph=True, background=False):
+                k.sum().backward()
+        else:
+            k.sum().backward()
+        return [x.grad, w.grad]
+
+    assert_grads_equal(run(True, 0), run(False, 0), what="step 0")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(False, 1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(True, 1)
+    s = ca.stats()
+    assert (s.captures, s.hits) == (1, 1), s

@@ -116,14 +116,16 @@ def _set_excluded(flags):
 class replaying:
     """Context of one compiled graph run: where its slots resolve."""
 
-    def __init__(self, capture, slots, hooks=(), steal=None, keep=False):
+    def __init__(self, capture, slots, hooks=(), steal=None, keep=False, versions=None):
         self.task = torch._C._current_graph_task_id()  # in_graph_task's, when calls run
         # hooks: (unpack_hook, packed) per hooked saved tensor, for UNPACK slots;
         # steal: None, or the graph inputs' storages when ACCUMULATE calls may
         # steal a fresh grad (NOTE [Stealing a fresh grad]); keep: the compiled code
         # never writes into a call's inputs, so an output may be one (NOTE [Outputs the
         # graph owns])
-        self.frame = (capture, slots, _excluded(), hooks, steal, keep)
+        # versions: per slot that checks saved tensors read after it, their versions when
+        # the backward started (NOTE [Hooks may change what the graph reads])
+        self.frame = (capture, slots, _excluded(), hooks, steal, keep, versions)
 
     def __enter__(self):
         _replay.stack.append(self.frame)
@@ -163,11 +165,14 @@ def _call(
     devices: list[int],
     flags: int,
 ) -> list[torch.Tensor]:
-    capture, slots, outside, hooks, steal, keep = _replay.stack[-1]
-    kind, node, mask, in_flags, fresh, n_after, shared = slots[slot]
+    capture, slots, outside, hooks, steal, keep, versions = _replay.stack[-1]
+    kind, node, mask, in_flags, fresh, n_after, shared, n_watch = slots[slot]
+    watched = ()
+    if n_watch:  # saved tensors read after this call, checked after it
+        watched, args = args[-n_watch:], args[:-n_watch]
     if n_after:  # only there to order the call (NOTE [Hooks may change what the graph reads])
         args = args[:-n_after]
-    versions = [args[i]._version if args[i] is not None else 0 for i in shared]
+    before = [args[i]._version if args[i] is not None else 0 for i in shared]
     if in_flags:
         # the last argument says which arguments are defined: an undefined grad
         # reached the graph as zeros (NOTE [Undefined grads of opaque nodes]),
@@ -188,7 +193,9 @@ def _call(
                 "(or called retain_grad()) on a node this backward has not reached, which had none of that "
                 "kind: the compiled graph has no place to run it (register it before the backward)"
             )
-        for i, v in zip(shared, versions):
+        if watched:
+            _check_versions(watched, versions[slot])
+        for i, v in zip(shared, before):
             if args[i] is not None and args[i]._version != v:
                 raise RuntimeError(
                     f"compiled_autograd: {kind.replace('_', ' ')} of {capture.node_name(node)} modified a "
@@ -198,6 +205,17 @@ def _call(
         return outs
     finally:
         _set_excluded(inside)
+
+
+def _check_versions(tensors, expected) -> None:
+    """Eager's error for a saved tensor changed in place before its node unpacks it."""
+    for t, v in zip(tensors, expected):
+        if t._version != v:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version {v} "
+                "instead (compiled_autograd: a hook changed it during the backward, before a node that saved it)"
+            )
 
 
 def _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, flags, hooks, shared=None):

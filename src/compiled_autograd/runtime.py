@@ -492,8 +492,12 @@ def _replay(entry: CompiledBackward, capture, lifted, extra, hooks):
     # stolen grad must not share (a compiler may turn a no-op on an input into the input)
     steal = ops.input_storages(args) if entry.steals and entry.plan.steals else None
 
+    # NOTE [Hooks may change what the graph reads]: the versions of the saved tensors that
+    # calls check, as the backward starts (the collect checked them against the nodes')
+    versions = {slot: [args[i]._version for i in idx] for slot, idx in entry.plan.watch} or None
+
     def run():
-        with ops.replaying(capture, entry.plan.slots, hooks, steal, entry.steals), torch.no_grad():
+        with ops.replaying(capture, entry.plan.slots, hooks, steal, entry.steals, versions), torch.no_grad():
             return list(entry(args))
 
     if entry.plan.slots:

@@ -72,6 +72,9 @@ class Slot(NamedTuple):
     n_after: int = 0
     # the arguments something else in the graph reads too: a hook must not change them in place
     shared: tuple = ()
+    # how many of its last arguments are saved tensors read after it, whose versions it checks
+    # (NOTE [Hooks may change what the graph reads]); Plan.watch has their lifted indices
+    n_watch: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,8 @@ class Plan:
     # hooks, DDP's) and unpack hooks read none, so the saved tensors can be freed inside the
     # graph at their last use (NOTE [Boxed graphs free their inputs], backends.py)
     reads_saved: bool = True
+    # (slot, lifted indices) per call that checks saved tensors read after it
+    watch: tuple = ()
 
     @functools.cached_property
     def steals(self) -> bool:
@@ -684,8 +689,12 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
             for i in range(len(tracer.nodes))
             if tracer.nodes[i][2] and tracer._is_opaque(i)
         )
+        slots, watch = _order_reads_before_calls(
+            gm, _mark_shared_args(gm, _mark_fresh_grads(gm, tracer.slots)), _version_checked(collected)
+        )
         plan = Plan(
-            slots=_order_reads_before_calls(gm, _mark_shared_args(gm, _mark_fresh_grads(gm, tracer.slots))),
+            slots=slots,
+            watch=watch,
             accumulate=tuple(tracer.accumulate),
             captured=tuple(out["captured"]),
             opaque=opaque,
@@ -756,7 +765,32 @@ def _mark_fresh_grads(gm: torch.fx.GraphModule, slots: list) -> tuple:
     return tuple(slots)
 
 
-def _order_reads_before_calls(gm: torch.fx.GraphModule, slots: tuple) -> tuple:
+def _version_checked(collected) -> frozenset:
+    """The lifted indices of tensors eager checks the version of when a node unpacks them:
+    saved variables of built-in nodes and custom Functions' save_for_backward (not root
+    grads, tensors kept on ctx, or what unpack hooks returned)."""
+    c = collected.capture
+    # (0-dim ones are left out: a wrapped number, `x * 2`'s 2, reaches a call as a Python number)
+    out = {i for i, t in enumerate(collected.lifted[: collected.n_native]) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    out -= {g for _, _, g in c.roots() if g >= 0}
+    index = {id(t): i for i, t in enumerate(collected.lifted)}
+    for info in collected.pynodes.values():
+        out.update(i for i in info.saved if i >= 0 and collected.lifted[i].dim() > 0)
+        for _, value in info.attrs:
+            stack = [value]
+            while stack:
+                v = stack.pop()
+                if isinstance(v, torch.Tensor):
+                    out.discard(index.get(id(v), -1))
+                elif isinstance(v, (tuple, list)):
+                    stack.extend(v)
+                elif isinstance(v, dict):
+                    stack.extend(v.values())
+    out -= set(collected.up_front)
+    return frozenset(out)
+
+
+def _order_reads_before_calls(gm: torch.fx.GraphModule, slots: tuple, checked: frozenset = frozenset()) -> tuple:
     """NOTE [Hooks may change what the graph reads]
     A hook can change a tensor the graph reads: the optimizer-in-backward recipe steps
     each parameter in place from its post-accumulate-grad hook, as soon as its grad is
@@ -770,20 +804,28 @@ def _order_reads_before_calls(gm: torch.fx.GraphModule, slots: tuple) -> tuple:
     it, which orders the read before the call, as the unpack calls' arguments do (the
     last `n_after` arguments: ops.call drops them). Calls are ordered among themselves,
     so each call needs only the reads since the one before it. Reads after a call are not
-    ordered after it: a saved tensor that a hook changed before its node runs is eager's
-    version-counter error, but a custom Function's tensor kept on ctx has no such check, so
-    such a Function after a call runs as an opaque call itself (`_apply`)."""
+    ordered after it. A saved tensor that a hook changed before its node runs is eager's
+    version-counter error: the last call before a saved tensor's last read also takes it
+    (`n_watch`, `Plan.watch`) and raises that error if its version is not the one it had
+    when the backward started (versions only grow, so one check covers every call before).
+    A custom Function's tensor kept on ctx has no such check, so such a Function after a
+    call runs as an opaque call itself (`_apply`).
+    Returns the slots and Plan.watch."""
     from .create_graph import _aliases
 
     call = torch.ops.compiled_autograd.call.default
     slots = list(slots)
-    inputs: set = set()  # tensor placeholders and views of them
+    inputs: dict = {}  # tensor placeholders and views of them -> the placeholder
     pending: list = []  # tensors computed since the last call by ops that read one
+    calls: list = []  # the call nodes, in order
+    last_call: dict = {}  # checked placeholder -> the last call before its last read
     changed = False
+    position = 0
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             if isinstance(n.meta.get("val"), torch.Tensor):
-                inputs.add(n)
+                inputs[n] = (n, position)
+            position += 1
             continue
         if n.op != "call_function":
             continue
@@ -797,20 +839,36 @@ def _order_reads_before_calls(gm: torch.fx.GraphModule, slots: tuple) -> tuple:
                 slots[slot] = slots[slot]._replace(n_after=len(after))
                 changed = True
             pending = []
+            calls.append(n)
             continue
-        if not any(a in inputs for a in n.all_input_nodes):
+        read = [inputs[a] for a in n.all_input_nodes if a in inputs]
+        if not read:
             continue
         if _aliases(n) and n.args and n.args[0] in inputs:
-            inputs.add(n)  # a view: read by the ops that take it
+            inputs[n] = inputs[n.args[0]]  # a view: read by the ops that take it
             continue
+        if calls:
+            for placeholder, lifted in read:
+                if lifted in checked:
+                    last_call[placeholder] = (calls[-1], lifted)
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor):
             pending.append(n)
         elif isinstance(val, (tuple, list)):  # a multi-output op: any of its tensors orders it
             pending.extend([u for u in n.users if u.target is operator.getitem and isinstance(u.meta.get("val"), torch.Tensor)][:1])
+    by_call: dict = {}
+    for placeholder, (c, lifted) in last_call.items():
+        by_call.setdefault(c, []).append((placeholder, lifted))
+    watch = []
+    for c, items in by_call.items():
+        slot = c.args[0]
+        c.args = (slot, list(c.args[1]) + [p for p, _ in items], *c.args[2:])
+        slots[slot] = slots[slot]._replace(n_watch=len(items))
+        watch.append((slot, tuple(i for _, i in items)))
+        changed = True
     if changed:
         gm.recompile()
-    return tuple(slots)
+    return tuple(slots), tuple(watch)
 
 
 def _mark_shared_args(gm: torch.fx.GraphModule, slots: tuple) -> tuple:
