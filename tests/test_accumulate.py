@@ -263,3 +263,22 @@ def test_a_grad_from_a_multi_output_op_is_still_stolen():
             if step == 1:
                 assert copies <= eager_copies, (backend, copies, eager_copies)
         ca.reset()
+
+
+def test_input_storages_are_compared_by_identity_and_not_kept_alive():
+    # a boxed graph frees its inputs as it goes, and a grad allocated later may get a freed
+    # input's memory: by data address it read as that input, so AccumulateGrad was given a
+    # copy instead of the grad (a flaky extra copy in CI). Storages are compared by
+    # identity, pinned by weak references, which do not keep the memory alive
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from compiled_autograd import ops
+
+    kept = torch.randn(3)
+    assert kept[1:].untyped_storage() in ops.input_storages([kept])
+    args = [torch.randn(1000)]
+    ref = StorageWeakRef(args[0].untyped_storage())
+    storages = ops.input_storages(args)
+    args.clear()  # the graph frees it
+    assert ref.expired(), "input_storages kept the input alive"
+    assert not any(torch.empty(1000).untyped_storage() in storages for _ in range(8))

@@ -244,9 +244,27 @@ def _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, fl
     return _conform(kind, capture, node, mask, outs, keep, list(_unpack_meta(sizes, ranks, dtypes, devices)), flags)
 
 
-def input_storages(args) -> frozenset:
-    """The storages (by address) of a graph's tensor inputs."""
-    return frozenset(t.untyped_storage().data_ptr() for t in args if isinstance(t, torch.Tensor))
+class _Storages:
+    """The storages of a graph's tensor inputs, by identity. Weak references pin their
+    StorageImpls for the graph's run: a boxed graph frees inputs as it goes, and a new
+    grad may get a freed input's memory (by data address it read as that input, and was
+    copied: a flaky extra copy) but never its StorageImpl while a weak reference holds it."""
+
+    __slots__ = ("refs", "ids")
+
+    def __init__(self, tensors):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self.refs = [StorageWeakRef(t.untyped_storage()) for t in tensors]
+        self.ids = frozenset(r.cdata for r in self.refs)
+
+    def __contains__(self, storage) -> bool:
+        return storage._cdata in self.ids
+
+
+def input_storages(args) -> _Storages:
+    """The storages of a graph's tensor inputs (NOTE [Stealing a fresh grad])."""
+    return _Storages([t for t in args if isinstance(t, torch.Tensor)])
 
 
 def _accumulate(capture, node, args, steal):
@@ -280,7 +298,7 @@ def _accumulate(capture, node, args, steal):
     grad, defined = args[0], (args[1] if len(args) > 1 else None)
     if grad is None or (defined is not None and not bool(defined)):
         return []
-    if steal is not None and grad.untyped_storage().data_ptr() not in steal:
+    if steal is not None and grad.untyped_storage() not in steal:
         holder = [grad.detach()]  # the only reference to the new tensor: AccumulateGrad may keep it
         del grad
         capture.accumulate_owned(node, holder)
