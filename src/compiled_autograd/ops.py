@@ -284,8 +284,9 @@ def _accumulate(capture, node, args, steal):
         view of a graph input) and reads it nowhere else (a hook may change
         `.grad` in place; eager copies a grad its engine still holds for
         another node): `fresh`, trace._mark_fresh_grads;
-      * at run time its storage is none of the graph inputs' (`steal`: their
-        addresses; a compiler that removes no-ops could hand over an input);
+      * at run time its storage is none of the graph inputs' (`steal`: those
+        storages, by identity; a compiler that removes no-ops could hand over
+        an input);
       * nothing in the compiled code writes into it afterwards: the eager
         graph and aot_eager run functional aten ops; inductor reuses a dead
         buffer for a later result (`buf3 = buf1; del buf1  # reuse`), so the
