@@ -262,6 +262,8 @@ def test_a_grad_from_a_multi_output_op_is_still_stolen():
                 torch.testing.assert_close(a, b)
             if step == 1:
                 assert copies <= eager_copies, (backend, copies, eager_copies)
+        s = ca.stats()
+        assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), (backend, s)
         ca.reset()
 
 

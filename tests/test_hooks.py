@@ -582,6 +582,10 @@ def test_hook_registered_during_the_backward_on_a_node_without_hooks_raises(kind
         else:
             with pytest.raises(RuntimeError, match="has not reached"):
                 run(True, step)
+    s = ca.stats()
+    # a graph that raises on its first run is not cached: the raising kinds capture twice
+    expected = (1, 1) if kind == "leaf_hook" else (2, 0)
+    assert (s.captures, s.hits, s.eager_fallbacks) == (*expected, 0), s
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
@@ -653,6 +657,8 @@ def test_a_leaf_hook_that_reads_a_saved_tensor_gets_a_clear_error_on_a_hit():
     run()
     with pytest.raises(RuntimeError, match="had freed before the graph ran"):
         run()
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
