@@ -318,6 +318,26 @@ with warnings.catch_warnings():
     _lib.impl("call", _call, "CompositeExplicitAutograd")
 
 
+def _register_aliasing_check_exemption():
+    """AOTAutograd runs a compiled function's first call under a mode that checks that no custom
+    op's output aliases its input (torch._functorch.config.check_custom_op_aliasing; an error
+    where the environment sets CI, a warning elsewhere). A call that hands its grad back does
+    alias, where that is safe (NOTE [Outputs the graph owns]), so under that mode the call runs
+    unchecked; every other op is still checked."""
+    try:
+        from torch._functorch._aot_autograd.runtime_wrappers import _AnalyzeCustomOpInputOutputMode
+    except ImportError:  # pragma: no cover - another torch
+        return
+
+    def unchecked(mode, func, types, args, kwargs):
+        return func(*args, **(kwargs or {}))
+
+    call.register_torch_dispatch(_AnalyzeCustomOpInputOutputMode, unchecked)
+
+
+_register_aliasing_check_exemption()
+
+
 @call.register_fake
 def _call_fake(slot, args, sizes, ranks, dtypes, devices, flags):
     outs = [torch.empty(s, dtype=d, device=dev) for s, d, dev in _unpack_meta(sizes, ranks, dtypes, devices)]
