@@ -72,6 +72,9 @@ HANDED_OVER = (-1, 2)
 # our inductor lowering does with a bit is a new bit: no compiled artifact from before matches)
 DEFINEDNESS = 1  # the call also returns which of its outputs are defined
 KEEPS_INPUTS = 2  # an output may be one of its unshared inputs: their buffers are never reused
+# flags >> PASSES_SHIFT: how many of its last arguments the call also returns, as its last
+# outputs (graph inputs read after it: NOTE [Hooks may change what the graph reads], trace.py)
+PASSES_SHIFT = 8
 
 # slot kinds
 TENSOR_PRE_HOOKS = "tensor_pre_hooks"
@@ -167,6 +170,10 @@ def _call(
 ) -> list[torch.Tensor]:
     capture, slots, outside, hooks, steal, keep, versions = _replay.stack[-1]
     kind, node, mask, in_flags, fresh, n_after, shared, n_watch = slots[slot]
+    passed = ()
+    if flags >> PASSES_SHIFT:  # graph inputs read after this call: returned, so read after it
+        n = flags >> PASSES_SHIFT
+        passed, args = args[-n:], args[:-n]
     watched = ()
     if n_watch:  # saved tensors read after this call, checked after it
         watched, args = args[-n_watch:], args[:-n_watch]
@@ -202,6 +209,8 @@ def _call(
                     "gradient in place that other nodes of the backward also read; hooks must not modify "
                     "their arguments (return a new tensor instead), and the compiled graph cannot follow"
                 )
+        if passed:  # as the call leaves them; a user's backend may reuse an output's buffer: a copy
+            outs = [*outs, *(passed if keep else [t.clone() for t in passed])]
         return outs
     finally:
         _set_excluded(inside)
@@ -343,6 +352,8 @@ def _call_fake(slot, args, sizes, ranks, dtypes, devices, flags):
     outs = [torch.empty(s, dtype=d, device=dev) for s, d, dev in _unpack_meta(sizes, ranks, dtypes, devices)]
     if flags & DEFINEDNESS:
         outs.append(torch.empty(len(ranks), dtype=torch.bool))
+    if flags >> PASSES_SHIFT:  # returned as they are: same geometry
+        outs += [torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device) for a in args[-(flags >> PASSES_SHIFT) :]]
     return outs
 
 

@@ -393,12 +393,6 @@ class _BackwardTracer:
             if not self.c.pynodes[idx].flags[0] and any(v is not None and v.bits is not None for v in values):
                 # its backward sees None for an undefined grad, and may branch on it
                 raise NeedsOpaque(idx, "set_materialize_grads(False) and a grad that may be None at run time")
-            if self.c.pynodes[idx].attrs and any(slot.kind != ops.UNPACK for slot in self.slots):
-                # a tensor kept on ctx (not save_for_backward: no version check) that a hook
-                # before it may change in place; eager reads the new value. A compiler may
-                # move a read past a call but not another call: the node runs as one (NOTE
-                # [Hooks may change what the graph reads])
-                raise NeedsOpaque(idx, "reads tensors kept on ctx, which a hook before it may change")
             return self._pynode(idx, tensors, args)
         defined = [v for v in values if v is not None]
         if len(defined) > 1 and any(v.bits is not None for v in defined):
@@ -690,7 +684,7 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
             if tracer.nodes[i][2] and tracer._is_opaque(i)
         )
         slots, watch = _order_reads_before_calls(
-            gm, _mark_shared_args(gm, _mark_fresh_grads(gm, tracer.slots)), _version_checked(collected)
+            gm, _mark_shared_args(gm, _mark_fresh_grads(gm, tracer.slots)), _version_checked(collected), _unchecked(collected)
         )
         plan = Plan(
             slots=slots,
@@ -773,24 +767,47 @@ def _version_checked(collected) -> frozenset:
     # (0-dim ones are left out: a wrapped number, `x * 2`'s 2, reaches a call as a Python number)
     out = {i for i, t in enumerate(collected.lifted[: collected.n_native]) if isinstance(t, torch.Tensor) and t.dim() > 0}
     out -= {g for _, _, g in c.roots() if g >= 0}
-    index = {id(t): i for i, t in enumerate(collected.lifted)}
     for info in collected.pynodes.values():
         out.update(i for i in info.saved if i >= 0 and collected.lifted[i].dim() > 0)
+    out -= _ctx_tensors(collected)
+    out -= set(collected.up_front)
+    return frozenset(out)
+
+
+def _unchecked(collected) -> frozenset:
+    """The lifted indices of tensors eager reads as they are when their node runs, without
+    a version check, which a hook before that may have changed: root grads, tensors kept on
+    ctx, what unpack hooks returned (NOTE [Hooks may change what the graph reads]). Not the
+    0-dim saved variables of built-in nodes left out of the check: wrapped numbers among
+    them reach a call as Python numbers."""
+    out = {g for _, _, g in collected.capture.roots() if g >= 0}
+    out |= _ctx_tensors(collected)
+    out |= {i for i in collected.up_front if collected.lifted[i].dim() > 0}
+    return frozenset(out)
+
+
+def _ctx_tensors(collected) -> set:
+    """The lifted indices of the tensors custom Functions keep on ctx."""
+    index = {id(t): i for i, t in enumerate(collected.lifted)}
+    out = set()
+    for info in collected.pynodes.values():
         for _, value in info.attrs:
             stack = [value]
             while stack:
                 v = stack.pop()
                 if isinstance(v, torch.Tensor):
-                    out.discard(index.get(id(v), -1))
+                    if id(v) in index:
+                        out.add(index[id(v)])
                 elif isinstance(v, (tuple, list)):
                     stack.extend(v)
                 elif isinstance(v, dict):
                     stack.extend(v.values())
-    out -= set(collected.up_front)
-    return frozenset(out)
+    return out
 
 
-def _order_reads_before_calls(gm: torch.fx.GraphModule, slots: tuple, checked: frozenset = frozenset()) -> tuple:
+def _order_reads_before_calls(
+    gm: torch.fx.GraphModule, slots: tuple, checked: frozenset = frozenset(), unchecked: frozenset = frozenset()
+) -> tuple:
     """NOTE [Hooks may change what the graph reads]
     A hook can change a tensor the graph reads: the optimizer-in-backward recipe steps
     each parameter in place from its post-accumulate-grad hook, as soon as its grad is
@@ -803,13 +820,19 @@ def _order_reads_before_calls(gm: torch.fx.GraphModule, slots: tuple, checked: f
     comes before a call in the traced order becomes an argument of that call, unused by
     it, which orders the read before the call, as the unpack calls' arguments do (the
     last `n_after` arguments: ops.call drops them). Calls are ordered among themselves,
-    so each call needs only the reads since the one before it. Reads after a call are not
-    ordered after it. A saved tensor that a hook changed before its node runs is eager's
+    so each call needs only the reads since the one before it.
+    Reads after a call: a saved tensor that a hook changed before its node runs is eager's
     version-counter error: the last call before a saved tensor's last read also takes it
     (`n_watch`, `Plan.watch`) and raises that error if its version is not the one it had
     when the backward started (versions only grow, so one check covers every call before).
-    A custom Function's tensor kept on ctx has no such check, so such a Function after a
-    call runs as an opaque call itself (`_apply`).
+    A graph input eager reads without that check (a custom Function's tensor kept on ctx,
+    a root grad) is read as it is when its node runs, changes included. An op that reads
+    one after a hook or opaque call reads it from that call instead: the last such call
+    before the op takes the tensor as an argument and returns it as an output (the last
+    `flags >> ops.PASSES_SHIFT` of each; the same tensor with eager, aot_eager and inductor,
+    whose lowering keeps the buffers of such a call from reuse (KEEPS_INPUTS); a copy
+    with a user's backend), so the read depends on the call. Unpack calls are not hooks
+    and pass nothing.
     Returns the slots and Plan.watch."""
     from .create_graph import _aliases
 
@@ -819,8 +842,25 @@ def _order_reads_before_calls(gm: torch.fx.GraphModule, slots: tuple, checked: f
     pending: list = []  # tensors computed since the last call by ops that read one
     calls: list = []  # the call nodes, in order
     last_call: dict = {}  # checked placeholder -> the last call before its last read
+    hook_call = None  # the last call that is not an unpack
+    passes: dict = {}  # call -> {what it passes on: its output}
+    since: dict = {}  # a view or passed input -> the hook call before it (None: before any)
     changed = False
     position = 0
+
+    def passed(c, a):
+        """`a` (an unchecked graph input, or a view of one) as call `c` returns it."""
+        mine = passes.setdefault(c, {})
+        if a not in mine:
+            first = len(c.args[3]) + (1 if c.args[6] & ops.DEFINEDNESS else 0)
+            with gm.graph.inserting_after(c):
+                g = gm.graph.call_function(operator.getitem, (c, first + len(mine)))
+            g.meta["val"] = a.meta.get("val")
+            inputs[g] = inputs[a]
+            since[g] = c
+            mine[a] = g
+        return mine[a]
+
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             if isinstance(n.meta.get("val"), torch.Tensor):
@@ -840,12 +880,20 @@ def _order_reads_before_calls(gm: torch.fx.GraphModule, slots: tuple, checked: f
                 changed = True
             pending = []
             calls.append(n)
+            if slots[n.args[0]].kind != ops.UNPACK:
+                hook_call = n
             continue
+        if hook_call is not None:
+            for a in list(n.all_input_nodes):
+                if a in inputs and inputs[a][1] in unchecked and since.get(a) is not hook_call:
+                    n.replace_input_with(a, passed(hook_call, a))
+                    changed = True
         read = [inputs[a] for a in n.all_input_nodes if a in inputs]
         if not read:
             continue
         if _aliases(n) and n.args and n.args[0] in inputs:
             inputs[n] = inputs[n.args[0]]  # a view: read by the ops that take it
+            since[n] = hook_call
             continue
         if calls:
             for placeholder, lifted in read:
@@ -866,6 +914,11 @@ def _order_reads_before_calls(gm: torch.fx.GraphModule, slots: tuple, checked: f
         slots[slot] = slots[slot]._replace(n_watch=len(items))
         watch.append((slot, tuple(i for _, i in items)))
         changed = True
+    for c, mine in passes.items():  # after the watched tensors: ops.call takes them off first
+        flags = c.args[6] | ops.KEEPS_INPUTS | (len(mine) << ops.PASSES_SHIFT)
+        c.args = (c.args[0], list(c.args[1]) + list(mine), *c.args[2:6], flags)
+        if isinstance(c.meta.get("val"), (list, tuple)):
+            c.meta["val"] = [*c.meta["val"], *(g.meta["val"] for g in mine.values())]
     if changed:
         gm.recompile()
     return tuple(slots), tuple(watch)
