@@ -642,6 +642,23 @@ def test_a_tensor_kept_on_ctx_that_an_earlier_hook_changes(backend):
     observe(build, backend=backend, n_opaque=0, background=False)
 
 
+def test_a_0_dim_tensor_kept_on_ctx_that_an_earlier_hook_changes():
+    # passed on like any other: 0-dim tensors are left out only where they may be wrapped
+    # numbers (saved variables of built-in nodes: `q * 3`'s 3 reaches a call as a number)
+    def build(log, step):
+        x, p = leaf(8), leaf(8)
+        s = torch.tensor(1.5)
+
+        def update(q):
+            with torch.no_grad():
+                s.add_(q.grad.sum())
+
+        p.register_post_accumulate_grad_hook(update)
+        return (_KeepsWOnCtx.apply(x, s).exp() * p * 3).sum(), [x, p]
+
+    observe(build, backend="inductor", n_opaque=0, background=False)
+
+
 class _KeepsWAndItsViewOnCtx(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, W):
