@@ -58,6 +58,66 @@ def test_function_needs_input_grad_is_in_the_key():
     assert (ca.stats().captures, ca.stats().hits) == (2, 1)
 
 
+class _UnusedOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, n):
+        return x * 2, x.new_zeros(n, x.shape[0])
+
+    @staticmethod
+    def backward(ctx, gy, gaux):
+        # gaux: zeros shaped like the unused output (PyNode materializes it), then summed
+        # back to x's shape by the engine
+        return gy * 2 + gaux.sum(0) + gaux.shape[0], None
+
+
+class _NOutputs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, n):
+        return tuple(x * 1 for _ in range(n))
+
+    @staticmethod
+    def backward(ctx, *gs):
+        return gs[0] * len(gs), None
+
+
+@pytest.mark.parametrize("fn", [_UnusedOutput, _NOutputs])
+def test_function_outputs_are_in_the_key(fn):
+    # an unused output has no edge whose metadata would key it; the trace bakes in its
+    # shape (the zeros standing in for its grad) and how many grads the backward takes: a
+    # capture with n=1 was hit with n=4 (wrong grads). Sizes vary past the static graphs,
+    # so the later ones run a dynamic graph, whose zeros are shaped symbolically
+    for n in (1, 4, 5, 6, 7, 4):
+        x = leaf(3)
+        with ca.enable("eager", fullgraph=True):
+            fn.apply(x, n)[0].sum().backward()
+        want = 2.0 + n if fn is _UnusedOutput else float(n)
+        torch.testing.assert_close(x.grad, torch.full((3,), want), msg=f"n={n}")
+    s = ca.stats()
+    assert s.eager_fallbacks == 0 and s.hits >= 1, s
+
+
+class _DivByCtx(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.k = k
+        return x / k
+
+    @staticmethod
+    def backward(ctx, g):
+        return g / ctx.k, None
+
+
+def test_a_signed_zero_on_ctx_is_in_the_key():
+    # -0.0 == 0.0 (same hash): keyed by value, a backward dividing by ctx.k hit the graph
+    # traced with the other sign (inf where eager gives -inf)
+    for k in (0.0, -0.0, 0.0, -0.0):
+        x = leaf(3)
+        with ca.enable("eager", fullgraph=True):
+            _DivByCtx.apply(x, k).sum().backward()
+        assert torch.equal(x.grad, torch.full((3,), -float("inf") if str(k).startswith("-") else float("inf"))), k
+    assert (ca.stats().captures, ca.stats().hits) == (2, 2)
+
+
 class SplitNonDiff(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):

@@ -699,6 +699,191 @@ def test_tensors_kept_on_ctx_that_two_hooks_change_between_reads(backend):
     observe(build, backend=backend, n_opaque=0, background=False)
 
 
+@pytest.mark.parametrize("root", ["non-leaf", "leaf"])
+def test_the_root_runs_its_tensor_hooks_when_it_leads_to_no_input(root):
+    # with one root the engine evaluates the root's node whatever `inputs=` says: a node
+    # that leads to none of them still runs its tensor hooks and retain_grad (but not
+    # itself: a leaf root's AccumulateGrad does not accumulate). Compiled skipped them
+    def build(log, step):
+        x, z = leaf(3), leaf(3)
+        y = x * 2 if root == "non-leaf" else x
+        if root == "non-leaf":
+            y.retain_grad()
+        y.register_hook(lambda g: log.append(("hook", g.clone())))
+        return y, [x, z]
+
+    for step in range(2):
+        runs = []
+        for compiled in (False, True):
+            log = []
+            torch.manual_seed(step)
+            y, (x, z) = build(log, step)
+            g = torch.randn(3)
+            if compiled:
+                with ca.enable("eager", fullgraph=True):
+                    y.backward(g, inputs=[z])
+            else:
+                y.backward(g, inputs=[z])
+            runs.append((log, y.grad if root == "non-leaf" else None, x.grad, z.grad))
+        (want_log, want_y, want_x, want_z), (log, y_grad, x_grad, z_grad) = runs
+        assert [n for n, _ in log] == [n for n, _ in want_log] == ["hook"]
+        torch.testing.assert_close(log[0][1], want_log[0][1])
+        torch.testing.assert_close(y_grad, want_y)
+        assert x_grad is None and want_x is None and z_grad is None and want_z is None
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
+
+
+class _SavesW(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, W):
+        ctx.save_for_backward(W)
+        return x * W
+
+    @staticmethod
+    def backward(ctx, g):
+        (W,) = ctx.saved_tensors
+        return g * W, None
+
+
+@pytest.mark.parametrize("saver", ["function", "built-in"])
+def test_a_tensor_kept_on_ctx_and_saved_elsewhere_keeps_its_version_check(saver):
+    # W is kept on one Function's ctx and saved by another node; p's hook changes W before
+    # the saver runs: eager raises its version-counter error (the ctx reader alone would
+    # not check). The tensor stays checked for its saver (compiled returned gradients)
+    def run(compiled, step):
+        torch.manual_seed(step)
+        x, p, z = leaf(8), leaf(8), leaf(8)
+        W = torch.randn(8)
+
+        def hook(q):
+            if step == 1:
+                with torch.no_grad():
+                    W.mul_(3)
+
+        p.register_post_accumulate_grad_hook(hook)
+        a = _SavesW.apply(z.tanh(), W) if saver == "function" else z.tanh() * W
+        loss = ((a + _KeepsWOnCtx.apply(x, W)).exp() * p).sum()
+        if compiled:
+            with ca.enable("eager", fullgraph=True):
+                loss.backward()
+        else:
+            loss.backward()
+        return [x.grad, z.grad]
+
+    assert_grads_equal(run(True, 0), run(False, 0), what="step 0")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(False, 1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(True, 1)
+    s = ca.stats()
+    assert (s.captures, s.hits, s.opaque_nodes) == (1, 1, 0), s
+
+
+def test_a_saved_tensor_changed_through_data_is_read_after_the_hook():
+    # `.data` bumps no version: eager reads the changed W without an error, and so must the
+    # graph; inductor read W before the hook (every graph input read after a call is now
+    # read from that call: NOTE [Hooks may change what the graph reads])
+    def build(log, step):
+        x, p = leaf(64), leaf(64)
+        W = torch.randn(64)
+
+        def hook(q):
+            W.data.mul_(3)
+
+        p.register_post_accumulate_grad_hook(hook)
+        return ((x * W).exp() * p).sum(), [x, p]
+
+    observe(build, backend="inductor", background=False)
+
+
+class _CountsOnCtx(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, c):
+        ctx.c = c
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.c.add_(1)  # a backward that changes a tensor it keeps
+        return g * 2 + ctx.c[0], None
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_a_backward_that_changes_a_tensor_on_its_ctx_runs_in_place(backend):
+    # the graph's functional code wrote that change back at the end (aot_eager, inductor)
+    # or into a tensor a call had passed on: the hook after it saw the old value and c
+    # ended at 10 instead of 11. Such a Function runs as an opaque call
+    def build(log, step):
+        x, p = leaf(8), leaf(8)
+        c = torch.zeros(3)
+
+        def hook(q):
+            c.add_(10)
+
+        p.register_post_accumulate_grad_hook(hook)
+        y = _CountsOnCtx.apply(x.exp(), c)
+        y.register_hook(lambda g: log.append(("c", c.clone())))
+        log.append(("result", c))
+        return (y * p).sum(), [x, p]
+
+    observe(build, backend=backend, n_opaque=1, background=False)
+    assert any("changes in place a tensor it saved or keeps on ctx" in r for r in ca.stats().opaque_reasons)
+
+
+class _UsesGradOnCtx(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, G):
+        ctx.G = G
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.G, None
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_grad_kept_on_ctx_is_read_after_this_backward_accumulates_into_it(backend):
+    # ctx.G is p.grad; eager's AccumulateGrad for p adds into it in place before the
+    # Function's backward reads it. No hooks: AccumulateGrad ran after the graph, and the
+    # backward read the old grad. It now runs in the graph, at its eager position
+    def build(log, step):
+        x, p = leaf(8), leaf(8)
+        p.grad = torch.randn(8)
+        y = _UsesGradOnCtx.apply(x.exp(), p.grad)
+        return y.sum() + (p * 3).sum(), [x, p]
+
+    observe(build, backend=backend, background=False)
+
+
+def test_a_hook_that_rebinds_a_ctx_attribute_raises():
+    # eager's backward reads the new ctx.W; the traced one read the old when the backward
+    # started. The last call before the node checks the ctx (Plan.ctx_checks) and raises
+    def run(compiled, step):
+        torch.manual_seed(step)
+        x = leaf(8)
+        y = _KeepsWOnCtx.apply(x, torch.randn(8))
+        node = y.grad_fn
+        m = y.exp()
+        if step == 1:
+            m.register_hook(lambda g: setattr(node, "W", torch.full((8,), 5.0)))
+        else:
+            m.register_hook(lambda g: None)
+        if compiled:
+            with ca.enable("eager", fullgraph=True):
+                (m * 2).sum().backward()
+        else:
+            (m * 2).sum().backward()
+        return [x.grad]
+
+    assert_grads_equal(run(True, 0), run(False, 0), what="step 0")
+    run(False, 1)
+    with pytest.raises(RuntimeError, match="a hook set ctx.W of _KeepsWOnCtxBackward before that node ran"):
+        run(True, 1)
+    s = ca.stats()
+    assert (s.captures, s.hits) == (1, 1), s
+
+
 def test_a_leaf_hook_that_reads_a_saved_tensor_gets_a_clear_error_on_a_hit():
     # a known limit (Plan.reads_saved): hooks on leaves are not expected to read other
     # nodes' saved tensors, which a hit frees before the graph runs. The first backward

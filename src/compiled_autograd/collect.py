@@ -76,6 +76,7 @@ class Collected:
     pynodes: dict = field(default_factory=dict)
     hooks: list = field(default_factory=list)  # (unpack_hook, packed) per hooked saved tensor
     in_graph: tuple = ()  # (hooked tensor id, dtype, device, dim) of those unpacked in the graph
+    grad_on_ctx: bool = False  # a leaf's .grad, accumulated into by this backward, is kept on ctx
 
     @property
     def in_graph_start(self) -> int:
@@ -135,6 +136,17 @@ _BY_IDENTITY = (types.FunctionType, types.BuiltinFunctionType, types.MethodType,
                 torch.nn.Module)
 
 
+def _exact(v):
+    """The key of an immutable value, telling apart what `==` does not: -0.0 from 0.0 (a
+    backward dividing by it gives -inf or inf) and NaN from itself (never equal: a miss
+    every time)."""
+    if isinstance(v, (float, complex)):
+        return (type(v), repr(v))
+    if type(v) is tuple:
+        return (tuple, tuple(_exact(x) for x in v))
+    return (type(v), v)
+
+
 def _value_key(v, lift: _Lifter, user: bool = True):
     """A hashable description of a ctx attribute: scalars by value, tensors by
     lifted position, functions/classes/modules by identity (a user's Function's
@@ -143,7 +155,7 @@ def _value_key(v, lift: _Lifter, user: bool = True):
     if isinstance(v, torch.Tensor):
         return ("T", lift(v))
     if isinstance(v, _SCALARS):
-        return (type(v), v)
+        return _exact(v)
     if isinstance(v, torch.Size):
         return ("S", tuple(v))
     if isinstance(v, (tuple, list)):
@@ -319,7 +331,7 @@ def state_key(fn) -> tuple:
             v = getattr(container, name, _MISSING)
         if not _immutable(v):
             return f"{name or 'a closure value'} (now a {type(v).__name__})", ()
-        values.append((type(v), v))
+        values.append(_exact(v))
     return None, tuple(values)
 
 
@@ -423,7 +435,8 @@ def _collect_python(capture, saved_hooks, pynode_indices) -> Collected:
         k, info = _collect_pynode(capture, idx, lift)
         pykeys.append((idx, k))
         pynodes[idx] = info
-    key = (capture.key(), tuple(pykeys), tuple(unpacked), tuple(in_graph), tuple(lift.extra_keys))
+    grad_on_ctx = _grad_on_ctx(capture, pynodes)
+    key = (capture.key(), tuple(pykeys), tuple(unpacked), tuple(in_graph), tuple(lift.extra_keys), grad_on_ctx)
     sizes = tuple(capture.sizes()) + tuple(d for t in lifted[n_native:] for d in geometry(t)) + tuple(shapes)
     return Collected(
         capture=capture,
@@ -436,7 +449,26 @@ def _collect_python(capture, saved_hooks, pynode_indices) -> Collected:
         pynodes=pynodes,
         hooks=list(saved_hooks) if in_graph else [],
         in_graph=tuple(in_graph),
+        grad_on_ctx=grad_on_ctx,
     )
+
+
+def _grad_on_ctx(capture, pynodes) -> bool:
+    """Whether a custom Function keeps on ctx the `.grad` of a leaf this backward accumulates
+    into: eager's AccumulateGrad adds into it in place, before a later node reads it, so
+    AccumulateGrad then runs in the graph at its eager position (not after the graph)."""
+    kept = {id(t) for info in pynodes.values() for _, v in info.attrs for t in _tensors(v)}
+    return bool(kept) and any(id(g) in kept for g in capture.accumulated_grads())
+
+
+def _tensors(v) -> list:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (tuple, list)):
+        return [t for x in v for t in _tensors(x)]
+    if isinstance(v, dict):
+        return [t for x in v.values() for t in _tensors(x)]
+    return []
 
 
 def _nested_code(fn, name: str):

@@ -119,7 +119,7 @@ def _set_excluded(flags):
 class replaying:
     """Context of one compiled graph run: where its slots resolve."""
 
-    def __init__(self, capture, slots, hooks=(), steal=None, keep=False, versions=None):
+    def __init__(self, capture, slots, hooks=(), steal=None, keep=False, versions=None, ctx=None):
         self.task = torch._C._current_graph_task_id()  # in_graph_task's, when calls run
         # hooks: (unpack_hook, packed) per hooked saved tensor, for UNPACK slots;
         # steal: None, or the graph inputs' storages when ACCUMULATE calls may
@@ -127,8 +127,10 @@ class replaying:
         # never writes into a call's inputs, so an output may be one (NOTE [Outputs the
         # graph owns])
         # versions: per slot that checks saved tensors read after it, their versions when
-        # the backward started (NOTE [Hooks may change what the graph reads])
-        self.frame = (capture, slots, _excluded(), hooks, steal, keep, versions)
+        # the backward started (NOTE [Hooks may change what the graph reads]); ctx: per slot
+        # after which custom Functions' ctx attributes are checked, (ctx, its attributes
+        # when the backward started) (Plan.ctx_checks)
+        self.frame = (capture, slots, _excluded(), hooks, steal, keep, versions, ctx)
 
     def __enter__(self):
         _replay.stack.append(self.frame)
@@ -168,7 +170,7 @@ def _call(
     devices: list[int],
     flags: int,
 ) -> list[torch.Tensor]:
-    capture, slots, outside, hooks, steal, keep, versions = _replay.stack[-1]
+    capture, slots, outside, hooks, steal, keep, versions, ctx = _replay.stack[-1]
     kind, node, mask, in_flags, fresh, n_after, shared, n_watch = slots[slot]
     passed = ()
     if flags >> PASSES_SHIFT:  # graph inputs read after this call: returned, so read after it
@@ -202,6 +204,8 @@ def _call(
             )
         if watched:
             _check_versions(watched, versions[slot])
+        if ctx and slot in ctx:
+            _check_ctx(ctx[slot])
         for i, v in zip(shared, before):
             if args[i] is not None and args[i]._version != v:
                 raise RuntimeError(
@@ -214,6 +218,23 @@ def _call(
         return outs
     finally:
         _set_excluded(inside)
+
+
+def _check_ctx(snapshots) -> None:
+    """A hook that rebinds an attribute of a custom Function's ctx before its backward runs
+    (`grad_fn.W = new`): eager's backward reads the new value, the traced one read the old
+    (a tensor lifted, a number keyed) when the backward started."""
+    for obj, items in snapshots:
+        now = vars(obj)
+        for name, old in items:
+            new = now.get(name, _call)  # (_call: a value no ctx holds)
+            if new is old or (type(new) is type(old) and isinstance(old, (bool, int, float, complex, str)) and repr(new) == repr(old)):
+                continue
+            raise RuntimeError(
+                f"compiled_autograd: a hook set ctx.{name} of {obj.name()} before that node ran; "
+                "the compiled graph read it when the backward started (set it in the forward, "
+                "change a tensor in place instead, or run this backward without compiled_autograd)"
+            )
 
 
 def _check_versions(tensors, expected) -> None:

@@ -495,9 +495,14 @@ def _replay(entry: CompiledBackward, capture, lifted, extra, hooks):
     # NOTE [Hooks may change what the graph reads]: the versions of the saved tensors that
     # calls check, as the backward starts (the collect checked them against the nodes')
     versions = {slot: [args[i]._version for i in idx] for slot, idx in entry.plan.watch} or None
+    # Plan.ctx_checks: custom Functions' ctx attributes as the trace read them
+    ctx = {
+        slot: [(obj, list(vars(obj).items())) for obj in map(capture.node_object, idxs)]
+        for slot, idxs in entry.plan.ctx_checks
+    } or None
 
     def run():
-        with ops.replaying(capture, entry.plan.slots, hooks, steal, entry.steals, versions), torch.no_grad():
+        with ops.replaying(capture, entry.plan.slots, hooks, steal, entry.steals, versions, ctx), torch.no_grad():
             return list(entry(args))
 
     if entry.plan.slots:

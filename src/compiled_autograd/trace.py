@@ -53,7 +53,7 @@ from torch.fx.experimental.symbolic_shapes import (
 )
 
 from . import ops
-from .collect import PYNODE_KIND, Collected
+from .collect import PYNODE_KIND, Collected, _tensors
 
 ACCUMULATE_KIND = 1
 MAX_OPAQUE_RETRIES = 16  # traces of one backward, each making one more node opaque
@@ -96,6 +96,9 @@ class Plan:
     reads_saved: bool = True
     # (slot, lifted indices) per call that checks saved tensors read after it
     watch: tuple = ()
+    # (slot, node indices) per call after which the ctx attributes of those custom Function
+    # nodes (traced, so read when the backward started) are checked: a hook may rebind one
+    ctx_checks: tuple = ()
 
     @functools.cached_property
     def steals(self) -> bool:
@@ -179,9 +182,12 @@ class _BackwardTracer:
         self.nodes = self.capture.nodes()
         self.opaque_extra = opaque_extra
         self.slots: list = []
+        self.ctx_checks: dict = {}  # slot -> custom Function nodes whose ctx is checked after it
         self.results: list = []
         self.accumulate: list = []
-        self.in_graph_accumulate = any(self._is_opaque(i) or any(n[7][:4]) or n[7][4] for i, n in enumerate(self.nodes))
+        self.in_graph_accumulate = collected.grad_on_ctx or any(
+            self._is_opaque(i) or any(n[7][:4]) or n[7][4] for i, n in enumerate(self.nodes)
+        )
 
     def _is_opaque(self, idx) -> bool:
         n = self.nodes[idx]
@@ -393,7 +399,13 @@ class _BackwardTracer:
             if not self.c.pynodes[idx].flags[0] and any(v is not None and v.bits is not None for v in values):
                 # its backward sees None for an undefined grad, and may branch on it
                 raise NeedsOpaque(idx, "set_materialize_grads(False) and a grad that may be None at run time")
-            return self._pynode(idx, tensors, args)
+            out = self._pynode(idx, tensors, args)
+            # the trace read this ctx's attributes as they were when the backward started;
+            # the last call before it checks that no hook has rebound one since (Plan.ctx_checks)
+            last = next((i for i in range(len(self.slots) - 1, -1, -1) if self.slots[i].kind != ops.UNPACK), None)
+            if last is not None and vars(self.capture.node_object(idx)):
+                self.ctx_checks.setdefault(last, []).append(idx)
+            return out
         defined = [v for v in values if v is not None]
         if len(defined) > 1 and any(v.bits is not None for v in defined):
             # a formula given an undefined grad beside others skips its terms; on the zeros
@@ -447,10 +459,16 @@ class _BackwardTracer:
         # PyNode::apply: undefined grads become zeros shaped like the forward
         # output, unless materialization is off (also for non-differentiable
         # outputs, separately)
+        pos = self.nodes[idx][10]  # the outputs' sizes are the node's size inputs (symbolic if dynamic)
         for g, m, info_i in zip(grads, metas, output_info):
-            if g is None and materialize and info_i is not None and (m is not None or materialize_non_diff):
-                shape, dtype, device = info_i
-                g = torch.zeros(shape, dtype=dtype, device=device)
+            if info_i is None:
+                inputs.append(g)
+                continue
+            shape, dtype, device = info_i
+            dims = [v if self.sym_sizes[pos + d] is None else self.sym_sizes[pos + d] for d, v in enumerate(shape)]
+            pos += len(shape)
+            if g is None and materialize and (m is not None or materialize_non_diff):
+                g = torch.zeros(dims, dtype=dtype, device=device)
             inputs.append(g)
         capture_swap = None
         originals = {}
@@ -458,14 +476,23 @@ class _BackwardTracer:
             from . import native
 
             capture_swap = native.load().PyNodeSavedSwap(node, [args[i] if i >= 0 else None for i in info.saved])
+            kept = [args[i] for i in info.saved if i >= 0]
             for name, value in info.attrs:
                 originals[name] = value
-                setattr(node, name, _rebuild(value, self.c, args))
+                rebuilt = _rebuild(value, self.c, args)
+                setattr(node, name, rebuilt)
+                kept += _tensors(rebuilt)
+            versions = [t._version for t in kept]
             _tracing.active = True
             try:
                 out = node.apply(*inputs)
             finally:
                 _tracing.active = False
+            if any(t._version != v for t, v in zip(kept, versions)):
+                # the graph's functional code would leave that change invisible to the hooks
+                # after it (a compiler writes a changed graph input back at the end): the node
+                # runs as is, in its place
+                raise NeedsOpaque(idx, "its backward changes in place a tensor it saved or keeps on ctx")
         except NeedsOpaque:
             raise
         except Exception as e:
@@ -684,11 +711,12 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
             if tracer.nodes[i][2] and tracer._is_opaque(i)
         )
         slots, watch = _order_reads_before_calls(
-            gm, _mark_shared_args(gm, _mark_fresh_grads(gm, tracer.slots)), _version_checked(collected), _unchecked(collected)
+            gm, _mark_shared_args(gm, _mark_fresh_grads(gm, tracer.slots)), _version_checked(collected), _passable(collected)
         )
         plan = Plan(
             slots=slots,
             watch=watch,
+            ctx_checks=tuple((slot, tuple(idxs)) for slot, idxs in tracer.ctx_checks.items()),
             accumulate=tuple(tracer.accumulate),
             captured=tuple(out["captured"]),
             opaque=opaque,
@@ -769,44 +797,30 @@ def _version_checked(collected) -> frozenset:
     out -= {g for _, _, g in c.roots() if g >= 0}
     for info in collected.pynodes.values():
         out.update(i for i in info.saved if i >= 0 and collected.lifted[i].dim() > 0)
-    out -= _ctx_tensors(collected)
+    # (a tensor also kept on ctx stays checked: the node that saved it checks it)
     out -= set(collected.up_front)
     return frozenset(out)
 
 
-def _unchecked(collected) -> frozenset:
-    """The lifted indices of tensors eager reads as they are when their node runs, without
-    a version check, which a hook before that may have changed: root grads, tensors kept on
-    ctx, what unpack hooks returned (NOTE [Hooks may change what the graph reads]). Not the
-    0-dim saved variables of built-in nodes left out of the check: wrapped numbers among
-    them reach a call as Python numbers."""
-    out = {g for _, _, g in collected.capture.roots() if g >= 0}
+def _passable(collected) -> frozenset:
+    """The lifted indices of the tensors a call may pass on (NOTE [Hooks may change what the
+    graph reads]): every lifted tensor but the 0-dim saved variables of built-in nodes and
+    unpack hooks' results, among them wrapped numbers (`x * 2`'s 2), which reach a call as
+    Python numbers. Root grads and tensors kept on ctx are the user's: never wrapped."""
+    out = {i for i, t in enumerate(collected.lifted) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    out |= {g for _, _, g in collected.capture.roots() if g >= 0}
     out |= _ctx_tensors(collected)
-    out |= {i for i in collected.up_front if collected.lifted[i].dim() > 0}
     return frozenset(out)
 
 
 def _ctx_tensors(collected) -> set:
     """The lifted indices of the tensors custom Functions keep on ctx."""
     index = {id(t): i for i, t in enumerate(collected.lifted)}
-    out = set()
-    for info in collected.pynodes.values():
-        for _, value in info.attrs:
-            stack = [value]
-            while stack:
-                v = stack.pop()
-                if isinstance(v, torch.Tensor):
-                    if id(v) in index:
-                        out.add(index[id(v)])
-                elif isinstance(v, (tuple, list)):
-                    stack.extend(v)
-                elif isinstance(v, dict):
-                    stack.extend(v.values())
-    return out
+    return {index[id(t)] for info in collected.pynodes.values() for _, v in info.attrs for t in _tensors(v) if id(t) in index}
 
 
 def _order_reads_before_calls(
-    gm: torch.fx.GraphModule, slots: tuple, checked: frozenset = frozenset(), unchecked: frozenset = frozenset()
+    gm: torch.fx.GraphModule, slots: tuple, checked: frozenset = frozenset(), passable: frozenset = frozenset()
 ) -> tuple:
     """NOTE [Hooks may change what the graph reads]
     A hook can change a tensor the graph reads: the optimizer-in-backward recipe steps
@@ -825,14 +839,15 @@ def _order_reads_before_calls(
     version-counter error: the last call before a saved tensor's last read also takes it
     (`n_watch`, `Plan.watch`) and raises that error if its version is not the one it had
     when the backward started (versions only grow, so one check covers every call before).
-    A graph input eager reads without that check (a custom Function's tensor kept on ctx,
-    a root grad) is read as it is when its node runs, changes included. An op that reads
-    one after a hook or opaque call reads it from that call instead: the last such call
-    before the op takes the tensor as an argument and returns it as an output (the last
+    And a read after a call must see what the call left: eager reads a tensor kept on a
+    custom Function's ctx, or a root grad, without that check, as it is when its node runs;
+    a change through `.data` bumps no version. So an op that reads a graph input after a
+    hook or opaque call reads it from that call: the last such call before the op takes
+    the tensor as an argument and returns it as an output (the last
     `flags >> ops.PASSES_SHIFT` of each; the same tensor with eager, aot_eager and inductor,
     whose lowering keeps the buffers of such a call from reuse (KEEPS_INPUTS); a copy
-    with a user's backend), so the read depends on the call. Unpack calls are not hooks
-    and pass nothing.
+    with a user's backend), so the read depends on the call (`_passable`: not wrapped
+    numbers). Unpack calls are not hooks and pass nothing.
     Returns the slots and Plan.watch."""
     from .create_graph import _aliases
 
@@ -885,7 +900,7 @@ def _order_reads_before_calls(
             continue
         if hook_call is not None:
             for a in list(n.all_input_nodes):
-                if a in inputs and inputs[a][1] in unchecked and since.get(a) is not hook_call:
+                if a in inputs and inputs[a][1] in passable and since.get(a) is not hook_call:
                     n.replace_input_with(a, passed(hook_call, a))
                     changed = True
         read = [inputs[a] for a in n.all_input_nodes if a in inputs]

@@ -561,6 +561,20 @@ class GraphCapture {
     return out;
   }
 
+  // the defined `.grad` of each leaf whose AccumulateGrad runs in this backward
+  std::vector<at::Tensor> accumulated_grads() const {
+    std::vector<at::Tensor> out;
+    for (auto& r : nodes_) {
+      if (r.kind == ACCUMULATE && r.execute) {
+        const auto& g = static_cast<AccumulateGrad*>(r.fn.get())->variable.grad();
+        if (g.defined()) {
+          out.push_back(g);
+        }
+      }
+    }
+    return out;
+  }
+
   // position of an edge's node in execution order; -1: not run in this
   // backward; -2: invalid edge
   int64_t edge_index(const Edge& e) const {
@@ -1101,8 +1115,13 @@ class GraphCapture {
       }
     }
     num_results_ = accumulate_grad_ ? 0 : output_edges.size();
+    // The engine evaluates its graph root whatever exec_info says: with one
+    // root edge that is the root's own node (no dummy GraphRoot), which, when
+    // it leads to none of the inputs, still runs its tensor pre-hooks and
+    // retain_grad (evaluate_function), though not itself.
+    Node* visited_root = root_edges_.size() == 1 ? root_edges_[0].function.get() : nullptr;
     auto should_run = [&](Node* fn) {
-      return !filtered || needed.count(fn) || capture_spec.count(fn);
+      return !filtered || needed.count(fn) || capture_spec.count(fn) || fn == visited_root;
     };
 
     // -- engine order
@@ -1225,6 +1244,15 @@ class GraphCapture {
       } else if (r.kind == OPAQUE) {
         r.opaque = true;
         r.opaque_reason = "C++ custom autograd Function";
+      } else if (r.kind == PYNODE) {
+        // The trace bakes in how many grads the backward takes and, for a None
+        // grad, the zeros standing in for it, shaped like the forward output
+        // (torch's PyNode::compiled_args collects these too); an unused output
+        // has no edge whose metadata would key them. Its sizes are size inputs
+        // (from size_start: a dynamic graph makes them symbolic).
+        const auto* f = reinterpret_cast<const THPFunction*>(static_cast<const torch::autograd::PyNode*>(fn.get())->pyobj());
+        node_args.collect_size(fn->num_inputs());
+        node_args.collect(f->output_info);
       }
       append_pod(key_, static_cast<uint8_t>(r.opaque));
       // edges and the metadata of what they feed, for validate_outputs
@@ -1402,6 +1430,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("node_object", &GraphCapture::node_object)
       .def("node_name", &GraphCapture::node_name)
       .def("pynode_indices", &GraphCapture::pynode_indices)
+      .def("accumulated_grads", &GraphCapture::accumulated_grads)
       .def("roots", &GraphCapture::roots)
       .def("input_metadata", &GraphCapture::input_metadata)
       .def("take_saved_hooks", &GraphCapture::take_saved_hooks)
