@@ -81,12 +81,28 @@ def _register_inductor_lowering() -> None:
     def _call(slot, args, sizes, ranks, dtypes, devices, flags):
         start = len(V.graph.operations)
         out = ir.FallbackKernel.create(op, slot, args, sizes, ranks, dtypes, devices, flags)
-        if flags & ops.KEEPS_INPUTS:
+        # NOTE [Calls run in eager's order]: hooks and opaque nodes must run in the traced
+        # order, whatever data flows between them. The call is ORDERED-effectful, and
+        # inductor's with_effects lowering adds a dependency of each effectful op on the
+        # one before, but keys it by buffer name where its scheduler looks it up by
+        # operation name (torch 2.13): the dependency is lost, and inductor ran a call whose
+        # outputs were needed early before the call traced ahead of it. So each call's
+        # operations also depend on the previous call's, keyed as the scheduler reads them
+        previous = getattr(V.graph, "_compiled_autograd_last_call", None)
+        created = V.graph.operations[start:]
+        if previous is not None:
+            for operation in created:
+                V.graph.additional_star_deps[operation.get_operation_name()].add(previous.get_name())
+        if created:
+            V.graph._compiled_autograd_last_call = created[-1]
+        if flags & ops.KEEPS_INPUTS or flags >> ops.PASSES_SHIFT:
             # a hook may keep a tensor it is given (a logging hook storing its grad), and
             # return it unchanged as its output (NOTE [Outputs the graph owns]): no buffer of
-            # its inputs or outputs may be reused for another result
+            # its inputs or outputs may be reused for another result. A call that passes
+            # graph inputs on returns them (NOTE [Hooks may change what the graph reads]):
+            # its outputs are not inductor's to reuse
             for operation in V.graph.operations[start:]:
-                if isinstance(operation, ir.FallbackKernel):
+                if isinstance(operation, ir.FallbackKernel) and flags & ops.KEEPS_INPUTS:
                     for inp in operation.inputs:
                         if isinstance(inp, ir.IRNode) and inp.maybe_get_name() is not None:
                             V.graph.never_reuse_buffers.add(inp.get_name())
