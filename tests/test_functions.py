@@ -93,7 +93,12 @@ def test_function_outputs_are_in_the_key(fn):
         want = 2.0 + n if fn is _UnusedOutput else float(n)
         torch.testing.assert_close(x.grad, torch.full((3,), want), msg=f"n={n}")
     s = ca.stats()
-    assert s.eager_fallbacks == 0 and s.hits >= 1, s
+    if fn is _UnusedOutput:
+        # n=1 static; from n=4 one dynamic graph, whose zeros take n as a symbol, serves the rest
+        assert (s.captures, s.dynamic_captures, s.hits, s.eager_fallbacks) == (2, 1, 4, 0), s
+    else:
+        # the number of outputs is structure: a graph per n, the repeated n=4 hits
+        assert (s.captures, s.hits, s.eager_fallbacks) == (5, 1, 0), s
 
 
 class _DivByCtx(torch.autograd.Function):

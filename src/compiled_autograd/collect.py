@@ -352,16 +352,6 @@ _MISSING = object()
 _STATE_READS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _has_tensor(v) -> bool:
-    if isinstance(v, torch.Tensor):
-        return True
-    if isinstance(v, (tuple, list)):
-        return any(_has_tensor(x) for x in v)
-    if isinstance(v, dict):
-        return any(_has_tensor(x) for x in v.values())
-    return False
-
-
 def _collect_pynode(capture, idx: int, lift: _Lifter) -> tuple[tuple, PyNodeInfo]:
     node = capture.node_object(idx)
     m, mnd, boxed, is_var = capture.pynode_flags(idx)
@@ -385,7 +375,7 @@ def _collect_pynode(capture, idx: int, lift: _Lifter) -> tuple[tuple, PyNodeInfo
         attr_keys = []
         for name, value in sorted(vars(node).items()):
             attr_keys.append((name, _value_key(value, lift, user)))
-            if _has_tensor(value):
+            if _tensors(value):
                 attrs.append((name, value))
         info.attrs = tuple(attrs)
     except _Unkeyable as e:
@@ -462,6 +452,7 @@ def _grad_on_ctx(capture, pynodes) -> bool:
 
 
 def _tensors(v) -> list:
+    """The tensors in a ctx attribute: a tensor, or lists, tuples and dicts of them."""
     if isinstance(v, torch.Tensor):
         return [v]
     if isinstance(v, (tuple, list)):
