@@ -881,7 +881,7 @@ def test_a_hook_that_rebinds_a_ctx_attribute_raises():
 
 
 def test_a_leaf_hook_that_reads_a_saved_tensor_gets_a_clear_error_on_a_hit():
-    # a known limit (Plan.reads_saved): hooks on leaves are not expected to read other
+    # a known limit (NOTE [Saved tensors freed as eager frees them]): hooks on leaves are not expected to read other
     # nodes' saved tensors, which a hit frees before the graph runs. The first backward
     # works; a hit raises, saying why, rather than eager's "backward through the graph a
     # second time"
@@ -893,8 +893,52 @@ def test_a_leaf_hook_that_reads_a_saved_tensor_gets_a_clear_error_on_a_hit():
             (b @ w).sum().backward()
 
     run()
-    with pytest.raises(RuntimeError, match="had freed before the graph ran"):
+    with pytest.raises(RuntimeError, match="had freed before the hook ran"):
         run()
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_hooks_read_the_saved_tensors_eager_still_holds(backend):
+    # NOTE [Saved tensors freed as eager frees them]: a hit frees a node's saved tensors
+    # after the last hook eager runs at or before that node. A tensor hook on b reads b's
+    # node's saved result (alive in eager while b's hooks run), one on c the saved tensors
+    # of b's node (not yet run); both must still be there on a hit, with this step's values
+    def build(log, step):
+        x = leaf(4, 3)
+        a = x.sin()
+        b = a.exp()  # ExpBackward0 saves its result
+        c = b * 3.0
+        b.register_hook(lambda g: log.append(("b", b.grad_fn._saved_result.clone())))
+        c.register_hook(lambda g: log.append(("c", b.grad_fn._saved_result.sum())))
+        return c.pow(2).sum(), [x]
+
+    observe(build, backend)
+
+
+def test_a_hook_reading_a_node_eager_already_ran_raises_on_a_hit():
+    # eager frees ExpBackward0's saved result once it ran, before a's hook: reading it there
+    # raises. The first backward (a capture) frees nothing early and gives the hook the
+    # tensor; a hit frees it where eager does, and raises
+    def run(compiled):
+        x = leaf(4, 3)
+        a = x.sin()
+        b = a.exp()
+        a.register_hook(lambda g: b.grad_fn._saved_result.sum() and None)
+        b.register_hook(lambda g: None)
+        loss = b.pow(2).sum()
+        if compiled:
+            with ca.enable("eager"):
+                loss.backward()
+        else:
+            loss.backward()
+
+    with pytest.raises(RuntimeError, match="already been freed"):
+        run(False)
+    run(True)
+    with pytest.raises(RuntimeError, match="already been freed"):
+        run(True)
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
 

@@ -72,6 +72,9 @@ HANDED_OVER = (-1, 2)
 # our inductor lowering does with a bit is a new bit: no compiled artifact from before matches)
 DEFINEDNESS = 1  # the call also returns which of its outputs are defined
 KEEPS_INPUTS = 2  # an output may be one of its unshared inputs: their buffers are never reused
+# set on every call: our inductor lowering frees the buffers it keeps from reuse at their last
+# use (NOTE [Freed, never reused], backends.py); code compiled before that had no such bit
+FREED_NOT_REUSED = 16
 # flags >> PASSES_SHIFT: how many of its last arguments the call also returns, as its last
 # outputs (graph inputs read after it: NOTE [Hooks may change what the graph reads], trace.py)
 PASSES_SHIFT = 8
@@ -119,7 +122,7 @@ def _set_excluded(flags):
 class replaying:
     """Context of one compiled graph run: where its slots resolve."""
 
-    def __init__(self, capture, slots, hooks=(), steal=None, keep=False, versions=None, ctx=None):
+    def __init__(self, capture, slots, hooks=(), steal=None, keep=False, versions=None, ctx=None, releases=None):
         self.task = torch._C._current_graph_task_id()  # in_graph_task's, when calls run
         # hooks: (unpack_hook, packed) per hooked saved tensor, for UNPACK slots;
         # steal: None, or the graph inputs' storages when ACCUMULATE calls may
@@ -129,8 +132,9 @@ class replaying:
         # versions: per slot that checks saved tensors read after it, their versions when
         # the backward started (NOTE [Hooks may change what the graph reads]); ctx: per slot
         # after which custom Functions' ctx attributes are checked, (ctx, its attributes
-        # when the backward started) (Plan.ctx_checks)
-        self.frame = (capture, slots, _excluded(), hooks, steal, keep, versions, ctx)
+        # when the backward started) (Plan.ctx_checks); releases: per slot, the nodes whose
+        # saved variables are freed after it (NOTE [Saved tensors freed as eager frees them])
+        self.frame = (capture, slots, _excluded(), hooks, steal, keep, versions, ctx, releases)
 
     def __enter__(self):
         _replay.stack.append(self.frame)
@@ -170,7 +174,7 @@ def _call(
     devices: list[int],
     flags: int,
 ) -> list[torch.Tensor]:
-    capture, slots, outside, hooks, steal, keep, versions, ctx = _replay.stack[-1]
+    capture, slots, outside, hooks, steal, keep, versions, ctx, releases = _replay.stack[-1]
     kind, node, mask, in_flags, fresh, n_after, shared, n_watch = slots[slot]
     passed = ()
     if flags >> PASSES_SHIFT:  # graph inputs read after this call: returned, so read after it
@@ -213,6 +217,8 @@ def _call(
                     "gradient in place that other nodes of the backward also read; hooks must not modify "
                     "their arguments (return a new tensor instead), and the compiled graph cannot follow"
                 )
+        if releases and slot in releases:
+            capture.release_nodes(releases[slot])
         if passed:  # as the call leaves them; a user's backend may reuse an output's buffer: a copy
             outs = [*outs, *(passed if keep else [t.clone() for t in passed])]
         return outs

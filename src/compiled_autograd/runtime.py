@@ -482,7 +482,7 @@ def _describe_dynamic(collected, dynamic) -> list[str]:
     return out
 
 
-def _replay(entry: CompiledBackward, capture, lifted, extra, hooks):
+def _replay(entry: CompiledBackward, capture, lifted, extra, hooks, releases=()):
     if entry.plan.differentiable is not None and any(entry.plan.differentiable):
         with torch.enable_grad():  # the engine's grad mode under create_graph
             return list(DifferentiableGraph.apply(entry, extra, *lifted))
@@ -502,7 +502,8 @@ def _replay(entry: CompiledBackward, capture, lifted, extra, hooks):
     } or None
 
     def run():
-        with ops.replaying(capture, entry.plan.slots, hooks, steal, entry.steals, versions, ctx), torch.no_grad():
+        after = entry.plan.release_after if releases else None
+        with ops.replaying(capture, entry.plan.slots, hooks, steal, entry.steals, versions, ctx, after), torch.no_grad():
             return list(entry(args))
 
     if entry.plan.slots:
@@ -638,17 +639,23 @@ def _run_backward(
         else:
             with LOCK:
                 STATS.hits += 1
-            if not keep_graph and not entry.plan.reads_saved and getattr(entry.fn, BOXED, False):
+            if not keep_graph and getattr(entry.fn, BOXED, False):
                 # NOTE [Boxed graphs free their inputs]: the graph gets the only
                 # references to the saved tensors, and frees each after its last
-                # use. No opaque call needs the nodes' saved variables (Plan.reads_saved;
-                # an unpack hook's packed value is held by `collected.hooks`).
+                # use, once the nodes' saved variables are freed too: before the graph,
+                # or after the last call that may read them (NOTE [Saved tensors freed as
+                # eager frees them], trace.py; an unpack hook's packed value is held by
+                # `collected.hooks`)
                 args = lifted + extra
                 lifted.clear()
                 capture.drop_lifted()
-                capture.release()
+                releases = entry.plan.releases
+                if not releases:
+                    capture.release()
+                elif releases[0][0] == -1:
+                    capture.release_nodes(releases[0][1])
                 released = True
-                results = _replay(entry, capture, args, [], collected.hooks)
+                results = _replay(entry, capture, args, [], collected.hooks, releases)
             else:
                 results = _replay(entry, capture, lifted, extra, collected.hooks)
     except Exception as e:
@@ -658,9 +665,10 @@ def _run_backward(
             if released and "already been freed" in str(e):
                 raise RuntimeError(
                     "compiled_autograd: a hook read a saved tensor of this backward (e.g. "
-                    "`grad_fn._saved_self`), which compiled_autograd had freed before the graph ran: "
-                    "it frees them early when only hooks on leaves, AccumulateGrad and module "
-                    "full-backward hooks are in the graph (Plan.reads_saved). Read what the hook "
+                    "`grad_fn._saved_self`), which compiled_autograd had freed before the hook ran: "
+                    "it frees a node's saved tensors once no hook eager runs before that node may read "
+                    "them, taking hooks on leaves, AccumulateGrad and module full-backward hooks to read "
+                    "none (NOTE [Saved tensors freed as eager frees them]). Read what the hook "
                     f"needs in the forward, or run this backward without compiled_autograd. ({e})"
                 ) from e
             raise

@@ -88,17 +88,29 @@ class Plan:
     num_results: int
     # create_graph=True: per graph result, whether eager's would require grad (NOTE [create_graph])
     differentiable: tuple | None = None
-    # whether an opaque call may read a node's saved tensors while the graph runs: an opaque
-    # node, or a hook on a node that has any (a user's hook may read `grad_fn._saved_*`, alive
-    # in eager while that node's hooks run). AccumulateGrad, the hooks on it (a leaf's tensor
-    # hooks, DDP's) and unpack hooks read none, so the saved tensors can be freed inside the
-    # graph at their last use (NOTE [Boxed graphs free their inputs], backends.py)
-    reads_saved: bool = True
+    # NOTE [Saved tensors freed as eager frees them]: eager frees a node's saved tensors
+    # right after it runs. A hit hands them to a boxed graph, which frees each at its last
+    # use, once the nodes' saved variables let go of them too. A call that may read saved
+    # tensors -- an opaque node its own, a hook on a node that has any (`grad_fn._saved_*`,
+    # `ctx.saved_tensors`) that node's and those of the nodes eager runs after it -- needs
+    # them held until it ran. So a node's saved variables are freed right after the last
+    # such call eager runs at or before that node, or before the graph when there is none:
+    # (slot, node indices) per call, in `releases` (slot -1: before the graph; no entry at
+    # all: every node's before the graph). AccumulateGrad, hooks on it (a leaf's
+    # tensor hooks, DDP's), modules' full backward hooks (their Function saves nothing) and
+    # unpack hooks are taken to read none. With a tensor hook on every activation, each
+    # layer's activations then live one layer longer than in eager, not to the graph's end
+    releases: tuple = ()
     # (slot, lifted indices) per call that checks saved tensors read after it
     watch: tuple = ()
     # (slot, node indices) per call after which the ctx attributes of those custom Function
     # nodes (traced, so read when the backward started) are checked: a hook may rebind one
     ctx_checks: tuple = ()
+
+    @functools.cached_property
+    def release_after(self) -> dict | None:
+        """`releases` by slot, without the nodes freed before the graph."""
+        return {slot: idxs for slot, idxs in self.releases if slot >= 0} or None
 
     @functools.cached_property
     def steals(self) -> bool:
@@ -256,7 +268,7 @@ class _BackwardTracer:
             ranks.append(len(shape))
             dtypes.append(ops._DTYPE_CODE[dtype])
             devices.append(ops.device_code(device))
-        bits = (ops.DEFINEDNESS | ops.KEEPS_INPUTS) if flags else 0
+        bits = ((ops.DEFINEDNESS | ops.KEEPS_INPUTS) if flags else 0) | ops.FREED_NOT_REUSED
         outs = torch.ops.compiled_autograd.call(slot, list(args), sizes, ranks, dtypes, devices, bits)
         flag = outs[-1] if flags else None
         it = iter(outs)
@@ -722,7 +734,7 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
             opaque=opaque,
             num_results=len(tracer.results),
             differentiable=differentiable,
-            reads_saved=_reads_saved(tracer.slots, tracer.nodes, collected.pynodes),
+            releases=_releases(tracer.slots, tracer.nodes, collected.pynodes),
         )
         return Captured(gm, plan, fakes + symints, real_mask, size_inputs, None, shape_env)
     raise RuntimeError("compiled_autograd: could not trace this backward")
@@ -742,23 +754,32 @@ def _quiet_fake_tensor_errors():
         logger.setLevel(level)
 
 
-def _reads_saved(slots, nodes, pynodes) -> bool:
-    """Plan.reads_saved: whether an opaque call may read a node's saved tensors. An opaque
-    node does; a hook may read its own node's (`grad_fn._saved_*`, `ctx.saved_tensors`),
-    unless the node has none: AccumulateGrad, and custom Functions that saved no tensor (a
-    module's full backward hooks sit on such a Function, BackwardHookFunction)."""
-    for kind, node, *_ in slots:
+def _releases(slots, nodes, pynodes) -> tuple:
+    """Plan.releases: (slot, node indices) per call after which those executed nodes' saved
+    variables are freed (NOTE [Saved tensors freed as eager frees them])."""
+    reading = []  # (node, slot) of each call that may read saved tensors
+    for s, (kind, node, *_) in enumerate(slots):
         if kind in (ops.UNPACK, ops.ACCUMULATE):
             continue
-        if kind == ops.NODE:
-            return True
-        if nodes[node][1] == ACCUMULATE_KIND:
-            continue
-        info = pynodes.get(node)
-        if info is not None and info.opaque_reason is None and not info.saved and not info.attrs:
-            continue
-        return True
-    return False
+        if kind != ops.NODE:
+            if nodes[node][1] == ACCUMULATE_KIND:
+                continue
+            info = pynodes.get(node)
+            if info is not None and info.opaque_reason is None and not info.saved and not info.attrs:
+                continue
+        reading.append((node, s))
+    reading.sort()
+    after: dict[int, list] = {}
+    last, j = -1, 0
+    for k in range(len(nodes)):
+        while j < len(reading) and reading[j][0] <= k:
+            last = max(last, reading[j][1])
+            j += 1
+        if nodes[k][2]:
+            after.setdefault(last, []).append(k)
+    if not reading:
+        return ()  # every node's before the graph runs
+    return tuple((s, tuple(ks)) for s, ks in sorted(after.items()))
 
 
 def _mark_fresh_grads(gm: torch.fx.GraphModule, slots: list) -> tuple:

@@ -903,6 +903,17 @@ class GraphCapture {
     }
   }
 
+  // Free the saved variables of these executed nodes (Plan.releases: a node's, once no
+  // call left in the graph may read them).
+  void release_nodes(const std::vector<int64_t>& idxs) {
+    for (auto i : idxs) {
+      auto& r = nodes_.at(static_cast<size_t>(i));
+      if (r.execute) {
+        r.fn->release_variables();
+      }
+    }
+  }
+
   // Drop our references to the lifted tensors (they were handed to the
   // compiled graph, which frees each at its last use).
   void drop_lifted() {
@@ -1449,6 +1460,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("accumulate_owned", &GraphCapture::accumulate_owned)
       .def("apply_results", &GraphCapture::apply_results)
       .def("release", &GraphCapture::release)
+      .def("release_nodes", &GraphCapture::release_nodes)
       .def("will_execute", &GraphCapture::will_execute)
       .def("hooks_added", &GraphCapture::hooks_added)
       .def("drop_lifted", &GraphCapture::drop_lifted)
