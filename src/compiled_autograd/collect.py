@@ -26,15 +26,30 @@ dtype and device from what was packed, exactly:
     recomputation raises if a recomputed tensor differs from them;
   * save_on_cpu: it returns the packed CPU tensor moved to the recorded device.
 Those predictions are part of the key (shapes in the sizes vector, so a
-dynamic graph can make them symbolic). Any other hook is unpacked up front, as
-before. At replay the call checks what the hook returned against the
-prediction, and raises rather than misread a tensor.
+dynamic graph can make them symbolic). At replay the call checks what the hook
+returned against the prediction, and raises rather than misread a tensor.
+
+NOTE [Unpack metadata learned from the last backward]
+Any other hook (activation offloading, compression, a user's stash) gives no
+such prediction: what its packed value holds is its own business. The first
+backward of a graph unpacks those tensors when it starts (all alive at once,
+as before), and remembers what each returned, under the graph's native key, its
+sizes, the tensor's position and the hook's code. The graph is traced with them
+unpacked in the graph anyway: the call of that first backward hands over the
+tensor already unpacked. Every later backward of the same graph and sizes
+predicts the same metadata, unpacks each tensor when its node runs, as eager
+does (offloading keeps its memory saving; a hook's in-place change to a stashed
+tensor before its node runs is seen), and hits that graph. A hook that then
+returns something else raises (the graph ran part way: it cannot fall back) and
+that tensor is unpacked up front from then on. Only plain strided tensors are
+learned; anything else is lifted, as before.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
+import threading
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -74,7 +89,7 @@ class Collected:
     n_native: int
     unpacked: tuple  # per hooked saved tensor: its lifted index, or -1 when unpacked in the graph
     pynodes: dict = field(default_factory=dict)
-    hooks: list = field(default_factory=list)  # (unpack_hook, packed) per hooked saved tensor
+    hooks: list = field(default_factory=list)  # (unpack_hook, packed, learned key or None) per hooked saved tensor
     in_graph: tuple = ()  # (hooked tensor id, dtype, device, dim) of those unpacked in the graph
     grad_on_ctx: bool = False  # a leaf's .grad, accumulated into by this backward, is kept on ctx
 
@@ -410,15 +425,27 @@ def _collect_python(capture, saved_hooks, pynode_indices) -> Collected:
     lift = _Lifter(lifted)
     predict = _Predictor()
     unpacked, in_graph, shapes = [], [], []
+    hooks, native_key = [], None
     for i, (hook, packed) in enumerate(saved_hooks):
-        meta = predict(hook, packed)
+        meta, learned = predict(hook, packed), None
         if meta is None:
-            unpacked.append(lift(unpack(hook, packed)))
-        else:
-            shape, dtype, device = meta
-            unpacked.append(-1)
-            in_graph.append((i, dtype, device, len(shape)))
-            shapes.extend(shape)
+            if native_key is None:
+                native_key = (capture.key(), tuple(capture.sizes()))
+            learned = (native_key, i, _hook_code(hook))
+            meta = LEARNED.get(learned)
+            if meta is None:
+                t = unpack(hook, packed)
+                meta = LEARNED.learn(learned, t)
+                if meta is None:
+                    unpacked.append(lift(t))
+                    hooks.append(None)
+                    continue
+                hook, packed = _given, t  # this backward's call hands it over as it is
+        shape, dtype, device = meta
+        unpacked.append(-1)
+        in_graph.append((i, dtype, device, len(shape)))
+        shapes.extend(shape)
+        hooks.append((hook, packed, learned))
     pykeys = []
     pynodes = {}
     for idx in pynode_indices:
@@ -437,7 +464,7 @@ def _collect_python(capture, saved_hooks, pynode_indices) -> Collected:
         n_native=n_native,
         unpacked=tuple(unpacked),
         pynodes=pynodes,
-        hooks=list(saved_hooks) if in_graph else [],
+        hooks=hooks if in_graph else [],
         in_graph=tuple(in_graph),
         grad_on_ctx=grad_on_ctx,
     )
@@ -526,6 +553,68 @@ class _Predictor:
         if not isinstance(meta, dict) or not isinstance(meta.get("device"), torch.device):
             return None
         return tuple(meta["shape"]), meta["dtype"], meta["device"]
+
+
+def _given(t):
+    """The unpack hook of a tensor unpacked when the backward started, whose call in the
+    graph hands it over (NOTE [Unpack metadata learned from the last backward])."""
+    return t
+
+
+def _hook_code(hook):
+    fn = getattr(hook, "__func__", hook)
+    return getattr(fn, "__code__", None) or type(hook)
+
+
+class _Learned:
+    """NOTE [Unpack metadata learned from the last backward]: (shape, dtype, device) of
+    what an unpack hook returned, by (graph's native key and sizes, position, hook code)."""
+
+    LIMIT = 4096
+
+    def __init__(self):
+        self.metas: dict = {}
+        self.unpredictable: dict = {}
+        self.lock = threading.Lock()
+
+    def get(self, key):
+        return self.metas.get(key)
+
+    def learn(self, key, t):
+        """Remember what the hook returned; None if it cannot be predicted."""
+        if key in self.unpredictable or type(t) is not torch.Tensor or t.layout != torch.strided:
+            return None
+        meta = (tuple(t.shape), t.dtype, t.device)
+        with self.lock:
+            if len(self.metas) >= self.LIMIT:
+                self.metas.pop(next(iter(self.metas)))
+            self.metas[key] = meta
+        return meta
+
+    def check(self, key, t, shape, dtype, device) -> None:
+        """At replay: what the hook returned against the prediction."""
+        if isinstance(t, torch.Tensor) and list(t.shape) == list(shape) and t.dtype == dtype and t.device == device:
+            return
+        with self.lock:
+            self.metas.pop(key, None)
+            if len(self.unpredictable) >= self.LIMIT:
+                self.unpredictable.pop(next(iter(self.unpredictable)))
+            self.unpredictable[key] = True
+        got = f"{tuple(t.shape)}/{t.dtype}/{t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise RuntimeError(
+            f"compiled_autograd: the unpack hook of a saved tensor returned {got}, where the previous "
+            f"backward of this graph got {tuple(shape)}/{dtype}/{device}; the graph, traced with that, "
+            "unpacks it when its node runs, as eager does (NOTE [Unpack metadata learned from the last "
+            "backward]). From the next backward on this tensor is unpacked when the backward starts"
+        )
+
+    def clear(self):
+        with self.lock:
+            self.metas.clear()
+            self.unpredictable.clear()
+
+
+LEARNED = _Learned()
 
 
 def unpack(hook, packed):

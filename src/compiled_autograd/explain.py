@@ -29,12 +29,18 @@ def explain() -> str:
             lines.append(
                 f"    saved-tensor hooks: {c['in_graph']} tensors unpacked in the graph, each when its node runs "
                 "(as in eager)"
+                + (
+                    f"; this first backward unpacked {c['learned']} of them when it started, to learn what "
+                    "their hooks return (later backwards of this graph and sizes do not)"
+                    if c.get("learned")
+                    else ""
+                )
             )
         if c.get("unpacked"):
             lines.append(
                 f"    saved-tensor hooks: {c['unpacked']} tensors ({c['unpacked_mb']:.1f} MB) unpacked when the backward "
-                "started (eager unpacks each when its node runs; only checkpoint's and save_on_cpu's results are "
-                "known before they run, so these are alive together)"
+                "started (eager unpacks each when its node runs; these hooks returned something other than a "
+                "plain strided tensor, or other metadata than before, so these are alive together)"
             )
         if c.get("create_graph"):
             lines.append(f"    create_graph: {c['create_graph']}")

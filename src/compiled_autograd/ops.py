@@ -261,10 +261,14 @@ def _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, fl
         pair, hooks[node] = hooks[node], None  # unpacked once, as eager does: the packed value can go
         if pair is None:
             raise RuntimeError("compiled_autograd: a saved tensor was unpacked twice by one graph")
-        hook, packed = pair
+        hook, packed, learned = pair
         del pair
         outs = [unpack(hook, packed)]
         del hook, packed
+        if learned is not None:
+            from .collect import LEARNED
+
+            LEARNED.check(learned, outs[0], *next(_unpack_meta(sizes, ranks, dtypes, devices)))
     elif kind == TENSOR_PRE_HOOKS:
         outs = capture.call_tensor_pre_hooks(node, args)
     elif kind == PRE_HOOKS:

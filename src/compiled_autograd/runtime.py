@@ -30,7 +30,7 @@ from .cache import CACHE, CompiledBackward, Dynamic
 from .config import Config
 from .stats import LOCK, STATS
 from . import ops
-from .collect import collect
+from .collect import LEARNED, _given, collect
 from .logs import compile_status
 from .graph_task import in_graph_task
 from .trace import NotTwiceDifferentiable, capture_backward, guards_of, tensor_positions
@@ -75,6 +75,7 @@ def reset_runtime() -> None:
     _capture_log.clear()
     _unsupported.clear()
     _failures.clear()
+    LEARNED.clear()
 
 
 def _global_state() -> tuple:
@@ -278,7 +279,8 @@ def _unpacked_up_front(collected) -> dict:
     nbytes = sum(storages.values())
     if tensors:
         log.info("%d tensors (%.1f MB) unpacked by saved-tensor hooks when the backward started", len(tensors), nbytes / 2**20)
-    return dict(unpacked=len(tensors), unpacked_mb=nbytes / 2**20, in_graph=len(collected.in_graph))
+    learned = sum(1 for h in collected.hooks if h is not None and h[0] is _given)
+    return dict(unpacked=len(tensors), unpacked_mb=nbytes / 2**20, in_graph=len(collected.in_graph), learned=learned)
 
 
 def _static_fakes(tensors):
