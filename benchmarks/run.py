@@ -35,10 +35,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import write_report  # noqa: E402
+from benchmarks.workloads import WORKLOADS  # noqa: E402
 
 _OMP_ACTIVE = False
 
-WORKLOADS = ["mlp256", "mlp1024", "transformer", "cnn", "chain", "stream", "checkpointed", "gradient_penalty", "hooked"]
 MODES = ["eager", "torch-ca:aot_eager", "torch-ca:inductor", "ours:aot_eager", "ours:inductor"]
 
 

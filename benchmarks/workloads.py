@@ -67,6 +67,47 @@ def _hooked(quick: bool) -> Workload:
     return wl
 
 
+def _module_hooked(quick: bool) -> Workload:
+    """The transformer with a logging full backward hook on every Linear and LayerNorm (what
+    gradient monitors and per-layer debugging tools register): each hook reads its module's
+    grad_output and returns None."""
+    wl = _transformer(quick)
+    seen = [0]
+
+    def hook(module, grad_input, grad_output):
+        seen[0] += grad_output[0].numel()
+
+    n = 0
+    for m in wl.modules[0].modules():
+        if isinstance(m, (nn.Linear, nn.LayerNorm)):
+            m.register_full_backward_hook(hook)
+            n += 1
+    wl.description += f"; a logging full backward hook on each of its {n} Linear and LayerNorm modules"
+    return wl
+
+
+def _offloaded(quick: bool) -> Workload:
+    """The transformer with its saved activations compressed to bfloat16 by a saved-tensor
+    hook pair (the shape of activation offloading: the packed value lives elsewhere, and
+    unpacking brings back a float32 tensor when the node needs it)."""
+    wl = _transformer(quick)
+    forward = wl.loss
+
+    def pack(t):
+        return t.to(torch.bfloat16) if t.is_floating_point() else t
+
+    def unpack(t):
+        return t.to(torch.float32) if t.dtype == torch.bfloat16 else t
+
+    def loss():
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return forward()
+
+    wl.loss = loss
+    wl.description += "; saved activations packed to bfloat16 by saved_tensors_hooks, unpacked to float32"
+    return wl
+
+
 def _transformer(quick: bool, checkpointed: bool = False) -> Workload:
     if quick:
         layers, d, heads, ff, batch, seq = 1, 32, 2, 64, 2, 8
@@ -217,7 +258,10 @@ def _stream(quick: bool) -> Stream:
     )
 
 
-WORKLOADS = ["mlp256", "mlp1024", "transformer", "cnn", "chain", "stream", "checkpointed", "gradient_penalty", "hooked"]
+WORKLOADS = [
+    "mlp256", "mlp1024", "transformer", "cnn", "chain", "stream", "checkpointed", "gradient_penalty", "hooked",
+    "module_hooked", "offloaded",
+]
 
 
 def build(name: str, quick: bool = False):
@@ -244,6 +288,10 @@ def _build(name: str, quick: bool):
         return _gradient_penalty(quick)
     if name == "hooked":
         return _hooked(quick)
+    if name == "module_hooked":
+        return _module_hooked(quick)
+    if name == "offloaded":
+        return _offloaded(quick)
     if name == "stream":
         return _stream(quick)
     raise ValueError(f"unknown workload {name!r} (known: {', '.join(WORKLOADS)})")

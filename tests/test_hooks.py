@@ -321,6 +321,58 @@ def test_post_hook_returning_none_blocks_that_gradient_and_later_hooks_see_none(
     assert runs[1][2][0].grad is None  # step 1: a's only gradient was blocked
 
 
+class _Probe(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.set_materialize_grads(False)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return None if g is None else g * 3
+
+
+def _blockable(step, hook):
+    """a's gradient passes through a tensor hook on `ap`; on step 1 a post hook blocks it"""
+    a, b = leaf(3), leaf(3)
+    ap = _Probe.apply(a)
+    ap.register_hook(hook)
+    y = ap * b
+    y.grad_fn.register_hook(lambda gi, go: (None, gi[1]) if step == 1 else None)
+    return (y * 2).sum() + b.sum(), [a, b]
+
+
+def test_a_tensor_hooks_result_is_defined_as_its_input_was():
+    # the graph has no definedness flag for a tensor hook's result: a hook gets None for a
+    # blocked gradient (step 1) and its None keeps it None; a tensor it returns for a defined
+    # gradient replaces it
+    def build(log, step):
+        return _blockable(step, lambda g: log.append(("ap", g)) or (None if g is None else g * 2))
+
+    runs = observe(build, n_opaque=1)
+    assert runs[1][2][0].grad is None
+
+
+def test_a_tensor_hook_giving_a_blocked_gradient_raises_eagers_error():
+    def run(compiled, step):
+        torch.manual_seed(step)
+        loss, leaves = _blockable(step, lambda g: torch.ones(3) if g is None else None)
+        if compiled:
+            with ca.enable("eager", fullgraph=True):
+                loss.backward()
+        else:
+            loss.backward()
+        return [t.grad for t in leaves]
+
+    assert_grads_equal(run(True, 0), run(False, 0))
+    with pytest.raises(RuntimeError, match="can't replace a None gradient with a non-None value"):
+        run(False, 1)
+    with pytest.raises(RuntimeError, match="can't replace a None gradient with a non-None value"):
+        run(True, 1)
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
+
+
 def test_full_backward_hook_returning_none_blocks_the_module_input_gradient():
     def build(log, step):
         torch.manual_seed(0)

@@ -193,7 +193,9 @@ def _call(
         *args, defined = args
         args = [a if d else None for a, d in zip(args, defined.tolist())]
     inside = _excluded()
-    _set_excluded(outside)
+    restore = inside != outside
+    if restore:  # (below autograd: not the fast path of _call_at_autograd)
+        _set_excluded(outside)
     try:
         if kind == ACCUMULATE:
             outs = _accumulate(capture, node, args, steal if fresh else None)
@@ -223,7 +225,8 @@ def _call(
             outs = [*outs, *(passed if keep else [t.clone() for t in passed])]
         return outs
     finally:
-        _set_excluded(inside)
+        if restore:
+            _set_excluded(inside)
 
 
 def _check_ctx(snapshots) -> None:
@@ -356,6 +359,36 @@ _lib = torch.library.Library("compiled_autograd", "FRAGMENT")
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)  # "Overriding a previously registered kernel"
     _lib.impl("call", _call, "CompositeExplicitAutograd")
+
+
+_op = torch.ops.compiled_autograd.call.default
+
+
+def _call_at_autograd(slot, args, sizes, ranks, dtypes, devices, flags):
+    """The kernel at the Autograd key. A compiled graph calls the op with grad mode off and no
+    dispatch mode active: the kernel runs there and then, skipping custom_op's Python
+    autograd wrapper and its redispatch below autograd (about 20 us of a call's ~120). The
+    call has no derivative (graphs under create_graph have no calls: runtime.py), so
+    otherwise, and while a trace (make_fx's proxy mode, fake tensors, functionalization)
+    is active, it goes on below autograd as any op does."""
+    if not torch.is_grad_enabled() and torch._C._len_torch_dispatch_stack() == 0:
+        return _call(slot, args, sizes, ranks, dtypes, devices, flags)
+    with torch._C._AutoDispatchBelowAutograd():
+        return _op(slot, args, sizes, ranks, dtypes, devices, flags)
+
+
+def call_direct(slot, args, sizes, ranks, dtypes, devices, flags):
+    """The call without the dispatcher (its boxing of the arguments costs ~10 us), for the
+    graphs that run as Python code we generate (the eager backend, aot_eager's graph:
+    backends.py): the same kernel, where the dispatcher would run it directly."""
+    if not torch.is_grad_enabled() and torch._C._len_torch_dispatch_stack() == 0:
+        return _call(slot, args, sizes, ranks, dtypes, devices, flags)
+    return _op(slot, args, sizes, ranks, dtypes, devices, flags)
+
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # "Overriding a previously registered kernel"
+    _lib.impl("call", _call_at_autograd, "Autograd")
 
 
 def _register_aliasing_check_exemption():

@@ -249,7 +249,7 @@ class _BackwardTracer:
         return torch.stack(out)
 
     # -- opaque calls --------------------------------------------------------
-    def _call(self, kind, node, args, out_metas, flags=False, values=None):
+    def _call(self, kind, node, args, out_metas, flags=False, values=None, keeps=None):
         """One compiled_autograd::call; returns the outputs positionally (None where not predicted).
 
         `values`: the _Values the tensors in `args` come from. Where one may be
@@ -268,7 +268,8 @@ class _BackwardTracer:
             ranks.append(len(shape))
             dtypes.append(ops._DTYPE_CODE[dtype])
             devices.append(ops.device_code(device))
-        bits = ((ops.DEFINEDNESS | ops.KEEPS_INPUTS) if flags else 0) | ops.FREED_NOT_REUSED
+        keeps = flags if keeps is None else keeps
+        bits = (ops.DEFINEDNESS if flags else 0) | (ops.KEEPS_INPUTS if keeps else 0) | ops.FREED_NOT_REUSED
         outs = torch.ops.compiled_autograd.call(slot, list(args), sizes, ranks, dtypes, devices, bits)
         flag = outs[-1] if flags else None
         it = iter(outs)
@@ -284,11 +285,18 @@ class _BackwardTracer:
         tensors = [v.t if v is not None else None for v in values]
         metas = [_meta(t) if t is not None else None for t in tensors]
         every = list(values) + list(extra)
-        outs, flag = self._call(kind, idx, [v.t if v is not None else None for v in every], metas, flags=True, values=every)
+        # a tensor hook gets None for an undefined grad and cannot make a defined one
+        # undefined (returning None keeps it; giving a tensor for None raises in eager's
+        # hook code): what it returns is defined as its input was, and needs no flag
+        flags = kind != ops.TENSOR_PRE_HOOKS
+        outs, flag = self._call(kind, idx, [v.t if v is not None else None for v in every], metas, flags=flags, values=every, keeps=True)
         result, k = [], 0
         for o, v in zip(outs, values):
             if o is None:
                 result.append(None)
+                continue
+            if not flags:
+                result.append(_Value(o, v.bits))
                 continue
             if v.bits is None:
                 bits = ((flag, k),)
