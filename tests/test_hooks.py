@@ -297,30 +297,6 @@ def test_hook_returning_a_tensor_it_keeps_is_not_overwritten_by_the_graph():
 # --- hooks that return None for a gradient (NOTE [Undefined grads of opaque nodes]) ---
 
 
-def test_post_hook_returning_none_blocks_that_gradient_and_later_hooks_see_none():
-    # the hook blocks a's path on step 1 only: one graph follows both
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.set_materialize_grads(False)
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            return None if g is None else g * 3
-
-    def build(log, step):
-        a, b = leaf(3), leaf(3)
-        ap = Probe.apply(a)
-        ap.register_hook(lambda g: log.append(("ap hook", g)))
-        y = ap * b
-        y.grad_fn.register_hook(lambda gi, go: (None, gi[1]) if step == 1 else None)
-        return (y * 2).sum() + b.sum(), [a, b]
-
-    runs = observe(build, n_opaque=1)  # Probe: its backward may now see None
-    assert runs[1][2][0].grad is None  # step 1: a's only gradient was blocked
-
-
 class _Probe(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -342,15 +318,16 @@ def _blockable(step, hook):
     return (y * 2).sum() + b.sum(), [a, b]
 
 
-def test_a_tensor_hooks_result_is_defined_as_its_input_was():
-    # the graph has no definedness flag for a tensor hook's result: a hook gets None for a
-    # blocked gradient (step 1) and its None keeps it None; a tensor it returns for a defined
-    # gradient replaces it
+def test_post_hook_returning_none_blocks_that_gradient_and_later_hooks_see_none():
+    # the hook blocks a's path on step 1 only: one graph follows both. The tensor hook on the
+    # way gets None then, and its None keeps it None; on step 0 the tensor it returns
+    # replaces the gradient (the graph has no definedness flag for a tensor hook's result:
+    # it is defined as its input was)
     def build(log, step):
-        return _blockable(step, lambda g: log.append(("ap", g)) or (None if g is None else g * 2))
+        return _blockable(step, lambda g: log.append(("ap hook", g)) or (None if g is None else g * 2))
 
-    runs = observe(build, n_opaque=1)
-    assert runs[1][2][0].grad is None
+    runs = observe(build, n_opaque=1)  # Probe: its backward may now see None
+    assert runs[1][2][0].grad is None  # step 1: a's only gradient was blocked
 
 
 def test_a_tensor_hook_giving_a_blocked_gradient_raises_eagers_error():

@@ -211,6 +211,55 @@ def test_hooks_on_leaves_do_not_keep_the_activations_alive(module_hooks, accumul
     assert peaks[True] <= 1.1 * peaks[False], peaks
 
 
+def _tensor_peak_mb(fn) -> float:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.worker import tensor_peak_mb
+
+    return tensor_peak_mb(fn)
+
+
+def _mlp512(activation):
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(512, 512), activation())])
+
+
+def _training_step_peaks(model, loss_of, backend, seen=None) -> dict:
+    """Eager and compiled training steps on three inputs (a capture, then two hits), their
+    grads (and `seen`: what hooks observed) compared with eager's; the tensor peaks of the
+    last compiled step and of its eager twin."""
+    params = list(model.parameters())
+    peaks = {}
+    for i in range(3):
+        x = torch.randn(256, 512)
+        for compiled in (False, True):
+            for p in params:
+                p.grad = None
+            if seen is not None:
+                seen.clear()
+
+            def step():
+                loss = loss_of(x)
+                if compiled:
+                    with ca.enable(backend, background=False, fullgraph=True):
+                        loss.backward()
+                else:
+                    loss.backward()
+
+            peaks[compiled] = _tensor_peak_mb(step)
+            grads = grads_of(params)
+            if compiled:
+                assert_grads_equal(grads, want, rtol=1e-4, atol=1e-5, what=f"step {i}")
+                if seen is not None:
+                    torch.testing.assert_close(seen, want_seen)
+            want, want_seen = grads, list(seen or ())
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 2, 0), s
+    return peaks
+
+
 @pytest.mark.parametrize("hooks", ["tensor", "module"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_hooks_on_activations_do_not_keep_them_alive(hooks, backend):
@@ -221,51 +270,21 @@ def test_hooks_on_activations_do_not_keep_them_alive(hooks, backend):
     # given from reuse, and used to keep it alive to the graph's end too; now it is freed
     # at its last use (NOTE [Freed, never reused]). Peaks on this model before: 1.56x
     # eager's (aot_eager, tensor hooks), 2.4x (inductor, tensor), 3.1x (inductor, module)
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks.worker import tensor_peak_mb
-
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(6):
-        layers += [nn.Linear(512, 512), nn.GELU()]
-    model = nn.Sequential(*layers)
-    params = list(model.parameters())
+    model = _mlp512(nn.GELU)
     seen = []
     if hooks == "module":
         for m in model:
             m.register_full_backward_hook(lambda m, gi, go: seen.append(go[0].sum().item()) and None)
 
-    def step(x, compiled):
+    def loss_of(x):
         h = x
         for m in model:
             h = m(h)
             if hooks == "tensor":
                 h.register_hook(lambda g: seen.append(g.sum().item()) and None)
-        loss = h.pow(2).mean()
-        if compiled:
-            with ca.enable(backend, background=False, fullgraph=True):
-                loss.backward()
-        else:
-            loss.backward()
+        return h.pow(2).mean()
 
-    peaks = {}
-    for i in range(3):  # capture, then two hits with new inputs
-        x = torch.randn(256, 512)
-        for compiled in (False, True):
-            for p in params:
-                p.grad = None
-            seen.clear()
-            peaks[compiled] = tensor_peak_mb(lambda: step(x, compiled))
-            grads = grads_of(params)
-            if compiled:
-                assert_grads_equal(grads, want, rtol=1e-4, atol=1e-5, what=f"step {i}")
-                torch.testing.assert_close(seen, want_seen)
-            want, want_seen = grads, list(seen)
-    s = ca.stats()
-    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 2, 0), s
+    peaks = _training_step_peaks(model, loss_of, backend, seen)
     assert peaks[True] <= 1.1 * peaks[False], peaks
 
 
@@ -276,40 +295,12 @@ def test_a_compressing_saved_tensor_hook_keeps_its_memory_saving(backend):
     # what the hook returns learned from the first backward (NOTE [Unpack metadata learned
     # from the last backward]); before, all were unpacked when the backward started: 2.0x
     # eager's step peak on this model
-    import sys
-    from pathlib import Path
+    model = _mlp512(nn.Tanh)
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks.worker import tensor_peak_mb
-
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(6):
-        layers += [nn.Linear(512, 512), nn.Tanh()]
-    model = nn.Sequential(*layers)
-    params = list(model.parameters())
-
-    def step(x, compiled):
+    def loss_of(x):
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t.to(torch.float16), lambda t: t.to(torch.float32)):
-            loss = model(x).pow(2).mean()
-        if compiled:
-            with ca.enable(backend, background=False, fullgraph=True):
-                loss.backward()
-        else:
-            loss.backward()
+            return model(x).pow(2).mean()
 
-    peaks = {}
-    for i in range(3):  # capture, then two hits with new inputs
-        x = torch.randn(256, 512)
-        for compiled in (False, True):
-            for p in params:
-                p.grad = None
-            peaks[compiled] = tensor_peak_mb(lambda: step(x, compiled))
-            grads = grads_of(params)
-            if compiled:
-                assert_grads_equal(grads, want, rtol=1e-4, atol=1e-5, what=f"step {i}")
-            want = grads
-    s = ca.stats()
-    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 2, 0), s
+    peaks = _training_step_peaks(model, loss_of, backend)
     assert peaks[True] <= 1.1 * peaks[False], peaks
     assert "this first backward unpacked" in ca.explain()
