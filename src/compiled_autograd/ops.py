@@ -35,6 +35,7 @@ inputs of a KEEPS_INPUTS call from reuse), the output is that input: no copy.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import warnings
@@ -57,6 +58,7 @@ def device_code(device) -> int:
     return _DEVICE_TYPES.index(d.type) * 1024 + (0 if d.index is None else d.index + 1)
 
 
+@functools.lru_cache(maxsize=None)
 def _device(code: int) -> torch.device:
     kind, index = divmod(code, 1024)
     return torch.device(_DEVICE_TYPES[kind]) if index == 0 else torch.device(_DEVICE_TYPES[kind], index - 1)
@@ -174,6 +176,14 @@ def _call(
     devices: list[int],
     flags: int,
 ) -> list[torch.Tensor]:
+    """The op's kernel, as the dispatcher runs it (below autograd)."""
+    return _run_call(slot, args, sizes, ranks, dtypes, devices, flags, False)
+
+
+def _run_call(slot, args, sizes, ranks, dtypes, devices, flags, above_autograd: bool) -> list[torch.Tensor]:
+    """One call of a replayed graph; `above_autograd`: from the fast paths that skip the
+    dispatcher's autograd layer (_call_at_autograd, call_direct), where the dispatch state
+    is the backward call's already."""
     capture, slots, outside, hooks, steal, keep, versions, ctx, releases = _replay.stack[-1]
     kind, node, mask, in_flags, fresh, n_after, shared, n_watch = slots[slot]
     passed = ()
@@ -192,9 +202,9 @@ def _call(
         # the hook or node gets None, as in eager
         *args, defined = args
         args = [a if d else None for a, d in zip(args, defined.tolist())]
-    inside = _excluded()
-    restore = inside != outside
-    if restore:  # (below autograd: not the fast path of _call_at_autograd)
+    inside = None if above_autograd else _excluded()
+    restore = inside is not None and inside != outside
+    if restore:
         _set_excluded(outside)
     try:
         if kind == ACCUMULATE:
@@ -372,7 +382,7 @@ def _call_at_autograd(slot, args, sizes, ranks, dtypes, devices, flags):
     otherwise, and while a trace (make_fx's proxy mode, fake tensors, functionalization)
     is active, it goes on below autograd as any op does."""
     if not torch.is_grad_enabled() and torch._C._len_torch_dispatch_stack() == 0:
-        return _call(slot, args, sizes, ranks, dtypes, devices, flags)
+        return _run_call(slot, args, sizes, ranks, dtypes, devices, flags, True)
     with torch._C._AutoDispatchBelowAutograd():
         return _op(slot, args, sizes, ranks, dtypes, devices, flags)
 
@@ -382,7 +392,7 @@ def call_direct(slot, args, sizes, ranks, dtypes, devices, flags):
     graphs that run as Python code we generate (the eager backend, aot_eager's graph:
     backends.py): the same kernel, where the dispatcher would run it directly."""
     if not torch.is_grad_enabled() and torch._C._len_torch_dispatch_stack() == 0:
-        return _call(slot, args, sizes, ranks, dtypes, devices, flags)
+        return _run_call(slot, args, sizes, ranks, dtypes, devices, flags, True)
     return _op(slot, args, sizes, ranks, dtypes, devices, flags)
 
 
