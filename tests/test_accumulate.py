@@ -1,5 +1,6 @@
 """AccumulateGrad with eager semantics."""
 
+import pytest
 import torch
 
 import compiled_autograd as ca
@@ -284,3 +285,31 @@ def test_input_storages_are_compared_by_identity_and_not_kept_alive():
     args.clear()  # the graph frees it
     assert ref.expired(), "input_storages kept the input alive"
     assert not any(torch.empty(1000).untyped_storage() in storages for _ in range(8))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_grad_a_leaf_hook_keeps_is_not_handed_to_dotgrad(backend):
+    # a logging hook on a leaf stores the grad it is given; eager's AccumulateGrad sees that
+    # reference and copies, so accumulating the next micro-batch into .grad leaves the stored
+    # tensor alone. Ours handed .grad the same memory (NOTE [Stealing a fresh grad])
+    def run(compiled):
+        torch.manual_seed(0)
+        w = torch.randn(3, 3, requires_grad=True)
+        seen = []
+        w.register_hook(lambda g: seen.append(g))
+        for _ in range(3):
+            loss = (torch.randn(4, 3) @ w).tanh().sum()
+            if compiled:
+                with ca.enable(backend, background=False, fullgraph=True):
+                    loss.backward()
+            else:
+                loss.backward()
+        return [t.clone() for t in seen] + [w.grad], any(t.data_ptr() == w.grad.data_ptr() for t in seen)
+
+    want, want_shared = run(False)
+    got, shared = run(True)
+    assert not want_shared and not shared
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 2, 0), s

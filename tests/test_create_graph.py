@@ -213,6 +213,30 @@ def test_hooks_with_create_graph_fall_back():
     assert s.fallback_reasons["create_graph=True with hooks"] == 2
 
 
+def test_saved_tensor_hooks_with_create_graph_fall_back_before_running_them():
+    # eager runs the backward: an offloading-style hook (unpack pops its stash) must be
+    # unpacked by eager alone, not first by compiled_autograd's collection too (a KeyError)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        stash = {}
+
+        def pack(t):
+            stash[len(stash)] = t
+            return len(stash) - 1
+
+        x = torch.randn(3, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, stash.pop):
+            y = x.pow(3)
+        with ca.enable("eager"):
+            (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        torch.testing.assert_close(g, 3 * x.detach() ** 2)
+        (gg,) = torch.autograd.grad(g.sum(), x)
+        torch.testing.assert_close(gg, 6 * x.detach())
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (0, 0, 2), s
+    assert s.fallback_reasons["create_graph=True with saved-tensor hooks"] == 2
+
+
 def test_inductor_gradient_penalty():
     step = _gradient_penalty_step(_critic(), second_in_scope=True)
     start = ca.stats()

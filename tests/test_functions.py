@@ -371,6 +371,38 @@ def test_each_hooked_tensor_is_unpacked_by_position():
     observe(build)
 
 
+def test_an_unpack_hook_returning_a_sparse_tensor_falls_back():
+    # a tensor we cannot lift: the backward runs in eager, counted (the internal error escaped)
+    def run(step, compiled):
+        torch.manual_seed(step)
+        x, w = leaf(4, 3), leaf(3, 3)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach().to_sparse() if t.shape == (3, 3) else t, lambda t: t):
+            loss = (x @ w).tanh().sum()
+        with ca.enable("aot_eager") if compiled else contextlib.nullcontext():
+            loss.backward()
+        return [x.grad, w.grad]
+
+    for step in range(2):
+        assert_grads_equal(run(step, True), run(step, False), what=f"step {step}")
+    s = ca.stats()
+    assert (s.captures, s.eager_fallbacks) == (0, 2), s
+    assert s.fallback_reasons["saved-tensor hook returned a tensor subclass or non-strided tensor"] == 2
+
+
+def test_a_packed_tensor_of_another_shape_is_not_predicted_from_the_last():
+    # index_fill saves its index; its length changes where nothing else in the graph does.
+    # A hook that packs a tensor shows its shape, which keys what was learned (NOTE [Unpack
+    # metadata learned from the last backward]): each length gets its own prediction
+    def build(log, step):
+        x = leaf(5, 3)
+        idx = torch.arange([2, 3, 3, 2][step])
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+            y = ((x * 2).index_fill(0, idx, 1.0) ** 2).sum()
+        return y, [x]
+
+    observe(build, steps=4, captures=2, hits=2)
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_checkpointed_region_is_recomputed_when_the_backward_reaches_it(backend):
     # NOTE [Unpacking in the graph]: the recompute runs at the region's first node, after

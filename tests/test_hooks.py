@@ -350,6 +350,47 @@ def test_a_tensor_hook_giving_a_blocked_gradient_raises_eagers_error():
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_tensor_hook_on_a_gradient_that_is_none_compiles(backend):
+    # the hook's call has no tensor but its flag output (a compiler places a call by its
+    # tensors' device: inductor's lowering failed and every backward fell back)
+    class NoGradForA(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            return a * 2 + b
+
+        @staticmethod
+        def backward(ctx, g):
+            return None, g
+
+    def build(log, step):
+        x, w = leaf(4, 3), leaf(3)
+        y = x.sin()
+        y.register_hook(lambda g: log.append(("y", g)))
+        return NoGradForA.apply(y, w * 1.0).sum(), [x, w]
+
+    observe(build, backend, background=False)
+
+
+def test_hooks_run_in_the_backward_calls_dispatch_state():
+    # AOTAutograd runs a compiled function's first call under a dispatch mode whose handler
+    # calls our op with Conjugate, Negative, ZeroTensor... excluded; a hook run there computed
+    # `c.conj()` as `c` (silently, on the first backward)
+    def build(log, step):
+        x, w = leaf(4, 3), leaf(3, 3)
+        z = (x @ w).tanh()
+
+        def hook(g):
+            c = torch.complex(g, torch.ones_like(g))
+            log.append(("conj", (c.conj() * 1).imag.sum()))
+            return (c.conj() * c).real - g * g  # 1 everywhere in eager
+
+        z.register_hook(hook)
+        return z.sum(), [x, w]
+
+    observe(build, "aot_eager", background=False)
+
+
 def test_full_backward_hook_returning_none_blocks_the_module_input_gradient():
     def build(log, step):
         torch.manual_seed(0)
@@ -970,6 +1011,29 @@ def test_a_hook_reading_a_node_eager_already_ran_raises_on_a_hit():
         run(True)
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
+
+
+def test_a_hook_on_a_function_that_saved_nothing_may_read_the_next_nodes_saved_tensors():
+    # only modules' full backward hooks (BackwardHookFunction) are taken to read no saved
+    # tensor; a hook on another Function that saved nothing (a gradient scaler) may read the
+    # saved tensors of a node eager runs after it, which must still be there on a hit
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 0.5
+
+    def build(log, step):
+        x = leaf(4, 3)
+        a = x.sin()  # SinBackward0 saves x
+        s = Scale.apply(a)
+        s.grad_fn.register_prehook(lambda go: log.append(("saved x", a.grad_fn._saved_self.sum())))
+        return s.pow(2).sum(), [x]
+
+    observe(build)
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])

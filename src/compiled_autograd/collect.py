@@ -34,7 +34,8 @@ Any other hook (activation offloading, compression, a user's stash) gives no
 such prediction: what its packed value holds is its own business. The first
 backward of a graph unpacks those tensors when it starts (all alive at once,
 as before), and remembers what each returned, under the graph's native key, its
-sizes, the tensor's position and the hook's code. The graph is traced with them
+sizes, the tensor's position, the hook's code and the shapes of the tensors in the
+packed value (`_packed_meta`). The graph is traced with them
 unpacked in the graph anyway: the call of that first backward hands over the
 tensor already unpacked. Every later backward of the same graph and sizes
 predicts the same metadata, unpacks each tensor when its node runs, as eager
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import hashlib
 import threading
 import types
 import weakref
@@ -62,8 +64,9 @@ from .graph_task import in_graph_task
 PYNODE_KIND = 2
 
 
-class _Unkeyable(Exception):
-    pass
+class Unkeyable(Exception):
+    """A value the key cannot hold (the runtime falls back when a saved-tensor hook's
+    result is one)."""
 
 
 @dataclass
@@ -118,7 +121,7 @@ def layout_signature(t: torch.Tensor):
 
 def tensor_key(t: torch.Tensor) -> tuple:
     if t.layout != torch.strided or type(t) not in (torch.Tensor, torch.nn.Parameter):
-        raise _Unkeyable("tensor subclass or non-strided tensor")
+        raise Unkeyable("tensor subclass or non-strided tensor")
     layout = layout_signature(t)
     return (t.dtype, t.device, t.dim(), layout if isinstance(layout, str) else "S", t.requires_grad, t.is_conj(), t.is_neg())
 
@@ -179,21 +182,21 @@ def _value_key(v, lift: _Lifter, user: bool = True):
         try:
             items = sorted(v.items(), key=lambda kv: repr(kv[0]))
         except Exception as e:  # pragma: no cover
-            raise _Unkeyable(str(e))
+            raise Unkeyable(str(e))
         return ("D", tuple((k, _value_key(x, lift, user)) for k, x in items))
     if user and isinstance(v, torch.nn.Module):
         # its attributes are state a backward may read (NOTE [Python state a backward reads])
-        raise _Unkeyable(f"ctx.{type(v).__name__} (a module: its attributes are not keyed)")
+        raise Unkeyable(f"ctx.{type(v).__name__} (a module: its attributes are not keyed)")
     if user and isinstance(v, type) and not _pure_module(getattr(v, "__module__", "") or ""):
-        raise _Unkeyable(f"ctx.{v.__qualname__} (a class: its attributes are not keyed)")
+        raise Unkeyable(f"ctx.{v.__qualname__} (a class: its attributes are not keyed)")
     if user and isinstance(v, types.FunctionType):
         why, values = state_key(v)
         if why is not None:
-            raise _Unkeyable(f"a function on ctx reads {why}")
+            raise Unkeyable(f"a function on ctx reads {why}")
         return ("fn", v, values)
     if isinstance(v, _BY_IDENTITY):
         return ("id", v)
-    raise _Unkeyable(f"ctx.{type(v).__name__} value")
+    raise Unkeyable(f"ctx.{type(v).__name__} value")
 
 
 # NOTE [Python state a backward reads]
@@ -393,15 +396,19 @@ def _collect_pynode(capture, idx: int, lift: _Lifter) -> tuple[tuple, PyNodeInfo
             if _tensors(value):
                 attrs.append((name, value))
         info.attrs = tuple(attrs)
-    except _Unkeyable as e:
+    except Unkeyable as e:
         info.opaque_reason = f"{node.name()}: {e}"
         return ("py", cls, "opaque", info.opaque_reason), info
     key = ("py", cls, flags, tuple(node.needs_input_grad), info.saved, tuple(attr_keys), state)
     return key, info
 
 
-def collect(capture) -> Collected:
+def collect(capture, run_unpack_hooks: bool = True) -> Collected | None:
+    """None when the graph has saved-tensor hooks and `run_unpack_hooks` is False: the caller
+    falls back to eager, which must be the first to run them (a hook may pop what it stashed)."""
     saved_hooks = capture.take_saved_hooks()
+    if saved_hooks and not run_unpack_hooks:
+        return None
     pynode_indices = capture.pynode_indices()
     if not saved_hooks and not pynode_indices:
         lifted = capture.lifted()
@@ -429,9 +436,9 @@ def _collect_python(capture, saved_hooks, pynode_indices) -> Collected:
     for i, (hook, packed) in enumerate(saved_hooks):
         meta, learned = predict(hook, packed), None
         if meta is None:
-            if native_key is None:
-                native_key = (capture.key(), tuple(capture.sizes()))
-            learned = (native_key, i, _hook_code(hook))
+            if native_key is None:  # (a digest: the table must not hold every graph's key)
+                native_key = (hashlib.blake2b(capture.key(), digest_size=16).digest(), tuple(capture.sizes()))
+            learned = (native_key, i, _hook_code(hook), _packed_meta(packed))
             meta = LEARNED.get(learned)
             if meta is None:
                 t = unpack(hook, packed)
@@ -559,6 +566,19 @@ def _given(t):
     """The unpack hook of a tensor unpacked when the backward started, whose call in the
     graph hands it over (NOTE [Unpack metadata learned from the last backward])."""
     return t
+
+
+def _packed_meta(packed):
+    """What a packed value shows of its tensors (shape, dtype, device): part of the learned
+    key, so that a saved tensor packed with another shape, where nothing else in the graph
+    changed (index_fill's index), is not predicted from the last one (a hook that packs a
+    key into its own stash shows nothing: that case raises, NOTE [Unpack metadata learned
+    from the last backward])."""
+    if isinstance(packed, torch.Tensor):
+        return (tuple(packed.shape), packed.dtype, packed.device)
+    if isinstance(packed, (tuple, list)):
+        return tuple(_packed_meta(p) if isinstance(p, torch.Tensor) else type(p) for p in packed)
+    return type(packed)
 
 
 def _hook_code(hook):

@@ -102,23 +102,25 @@ _replay = _Replay()
 
 
 # A custom op's kernel runs below autograd (the autograd dispatch keys are
-# excluded). Hooks and nodes we call from it must see the dispatch state of the
-# backward call instead: a hook may run autograd itself (e.g. a nested grad()).
-_AUTOGRAD_KEYS = [
-    torch._C.DispatchKey.AutogradFunctionality,
-    torch._C.DispatchKey.AutogradOther,
-    torch._C.DispatchKey.AutogradNestedTensor,
-    torch._C.DispatchKey.ADInplaceOrView,
-]
+# excluded), and a dispatch mode's handler that calls the op again runs with more
+# keys excluded (AOTAutograd's first-call aliasing check: Conjugate, Negative,
+# ZeroTensor...; a hook's `conj()` was a no-op there). Hooks and nodes we call
+# must see the dispatch state of the backward call instead: a hook may run
+# autograd itself (e.g. a nested grad()), or use lazily conjugated tensors.
+_DISPATCH_KEYS = [getattr(torch._C.DispatchKey, name) for name in torch._C.DispatchKey.__members__]
 
 
-def _excluded():
-    return [torch._C._dispatch_tls_is_dispatch_key_excluded(k) for k in _AUTOGRAD_KEYS]
-
-
-def _set_excluded(flags):
-    for k, f in zip(_AUTOGRAD_KEYS, flags):
-        torch._C._dispatch_tls_set_dispatch_key_excluded(k, f)
+def _set_exclude_set(want, current) -> list:
+    """Make the thread's excluded dispatch keys `want`; return what undoes it."""
+    undo = []
+    for k in _DISPATCH_KEYS:
+        try:
+            if want.has(k) != current.has(k):
+                torch._C._dispatch_tls_set_dispatch_key_excluded(k, want.has(k))
+                undo.append((k, current.has(k)))
+        except RuntimeError:  # an alias key: not a single key to set
+            continue
+    return undo
 
 
 class replaying:
@@ -136,7 +138,8 @@ class replaying:
         # after which custom Functions' ctx attributes are checked, (ctx, its attributes
         # when the backward started) (Plan.ctx_checks); releases: per slot, the nodes whose
         # saved variables are freed after it (NOTE [Saved tensors freed as eager frees them])
-        self.frame = (capture, slots, _excluded(), hooks, steal, keep, versions, ctx, releases)
+        # (the dispatch keys the backward call excluded: a call runs its hooks with them)
+        self.frame = (capture, slots, torch._C._dispatch_tls_local_exclude_set(), hooks, steal, keep, versions, ctx, releases)
 
     def __enter__(self):
         _replay.stack.append(self.frame)
@@ -177,13 +180,11 @@ def _call(
     flags: int,
 ) -> list[torch.Tensor]:
     """The op's kernel, as the dispatcher runs it (below autograd)."""
-    return _run_call(slot, args, sizes, ranks, dtypes, devices, flags, False)
+    return _run_call(slot, args, sizes, ranks, dtypes, devices, flags)
 
 
-def _run_call(slot, args, sizes, ranks, dtypes, devices, flags, above_autograd: bool) -> list[torch.Tensor]:
-    """One call of a replayed graph; `above_autograd`: from the fast paths that skip the
-    dispatcher's autograd layer (_call_at_autograd, call_direct), where the dispatch state
-    is the backward call's already."""
+def _run_call(slot, args, sizes, ranks, dtypes, devices, flags) -> list[torch.Tensor]:
+    """One call of a replayed graph, in the backward call's dispatch state."""
     capture, slots, outside, hooks, steal, keep, versions, ctx, releases = _replay.stack[-1]
     kind, node, mask, in_flags, fresh, n_after, shared, n_watch = slots[slot]
     passed = ()
@@ -202,16 +203,20 @@ def _run_call(slot, args, sizes, ranks, dtypes, devices, flags, above_autograd: 
         # the hook or node gets None, as in eager
         *args, defined = args
         args = [a if d else None for a, d in zip(args, defined.tolist())]
-    inside = None if above_autograd else _excluded()
-    restore = inside is not None and inside != outside
-    if restore:
-        _set_excluded(outside)
+    inside = torch._C._dispatch_tls_local_exclude_set()
+    undo = _set_exclude_set(outside, inside) if inside != outside else ()
     try:
         if kind == ACCUMULATE:
             outs = _accumulate(capture, node, args, steal if fresh else None)
         else:
             keeps = keep and flags & KEEPS_INPUTS
+            # a grad a hook keeps (`seen.append(g)`) must not become `.grad` as it is: eager's
+            # AccumulateGrad sees the hook's reference and copies (NOTE [Stealing a fresh grad])
+            counts = [(a, sys.getrefcount(a)) for a in args if a is not None] if steal is not None and kind != UNPACK else ()
             outs = _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, flags, hooks, shared if keeps else None)
+            for a, n in counts:
+                if sys.getrefcount(a) - sum(o is a for o in outs) > n:
+                    steal.keep_out(a)
         if kind != UNPACK and capture.hooks_added(node, _STAGE[kind]):
             raise RuntimeError(
                 f"compiled_autograd: {kind.replace('_', ' ')} of {capture.node_name(node)} registered a hook "
@@ -235,8 +240,8 @@ def _run_call(slot, args, sizes, ranks, dtypes, devices, flags, above_autograd: 
             outs = [*outs, *(passed if keep else [t.clone() for t in passed])]
         return outs
     finally:
-        if restore:
-            _set_excluded(inside)
+        for k, excluded in undo:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(k, excluded)
 
 
 def _check_ctx(snapshots) -> None:
@@ -309,10 +314,18 @@ class _Storages:
         from torch.multiprocessing.reductions import StorageWeakRef
 
         self.refs = [StorageWeakRef(t.untyped_storage()) for t in tensors]
-        self.ids = frozenset(r.cdata for r in self.refs)
+        self.ids = {r.cdata for r in self.refs}
 
     def __contains__(self, storage) -> bool:
         return storage._cdata in self.ids
+
+    def keep_out(self, t) -> None:
+        """Never steal t's memory: a hook kept a reference to it."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        ref = StorageWeakRef(t.untyped_storage())
+        self.refs.append(ref)
+        self.ids.add(ref.cdata)
 
 
 def input_storages(args) -> _Storages:
@@ -339,7 +352,9 @@ def _accumulate(capture, node, args, steal):
         another node): `fresh`, trace._mark_fresh_grads;
       * at run time its storage is none of the graph inputs' (`steal`: those
         storages, by identity; a compiler that removes no-ops could hand over
-        an input);
+        an input), nor of a tensor a hook kept (its reference count rose across
+        the hook's call, `_Storages.keep_out`: a logging hook storing its grad;
+        eager's AccumulateGrad sees that reference and copies);
       * nothing in the compiled code writes into it afterwards: the eager
         graph and aot_eager run functional aten ops; inductor reuses a dead
         buffer for a later result (`buf3 = buf1; del buf1  # reuse`), so the
@@ -374,6 +389,12 @@ with warnings.catch_warnings():
 _op = torch.ops.compiled_autograd.call.default
 
 
+def _fast_path() -> bool:
+    """Whether a call can skip the dispatcher's way to the kernel: grad mode off and no
+    dispatch mode (a trace) active, as when a compiled graph runs."""
+    return not torch.is_grad_enabled() and torch._C._len_torch_dispatch_stack() == 0
+
+
 def _call_at_autograd(slot, args, sizes, ranks, dtypes, devices, flags):
     """The kernel at the Autograd key. A compiled graph calls the op with grad mode off and no
     dispatch mode active: the kernel runs there and then, skipping custom_op's Python
@@ -381,8 +402,8 @@ def _call_at_autograd(slot, args, sizes, ranks, dtypes, devices, flags):
     call has no derivative (graphs under create_graph have no calls: runtime.py), so
     otherwise, and while a trace (make_fx's proxy mode, fake tensors, functionalization)
     is active, it goes on below autograd as any op does."""
-    if not torch.is_grad_enabled() and torch._C._len_torch_dispatch_stack() == 0:
-        return _run_call(slot, args, sizes, ranks, dtypes, devices, flags, True)
+    if _fast_path():
+        return _run_call(slot, args, sizes, ranks, dtypes, devices, flags)
     with torch._C._AutoDispatchBelowAutograd():
         return _op(slot, args, sizes, ranks, dtypes, devices, flags)
 
@@ -391,8 +412,8 @@ def call_direct(slot, args, sizes, ranks, dtypes, devices, flags):
     """The call without the dispatcher (its boxing of the arguments costs ~10 us), for the
     graphs that run as Python code we generate (the eager backend, aot_eager's graph:
     backends.py): the same kernel, where the dispatcher would run it directly."""
-    if not torch.is_grad_enabled() and torch._C._len_torch_dispatch_stack() == 0:
-        return _run_call(slot, args, sizes, ranks, dtypes, devices, flags, True)
+    if _fast_path():
+        return _run_call(slot, args, sizes, ranks, dtypes, devices, flags)
     return _op(slot, args, sizes, ranks, dtypes, devices, flags)
 
 

@@ -30,7 +30,7 @@ from .cache import CACHE, CompiledBackward, Dynamic
 from .config import Config
 from .stats import LOCK, STATS
 from . import ops
-from .collect import LEARNED, _given, collect
+from .collect import LEARNED, Unkeyable, _given, collect
 from .logs import compile_status
 from .graph_task import in_graph_task
 from .trace import NotTwiceDifferentiable, capture_backward, guards_of, tensor_positions
@@ -589,11 +589,22 @@ def _run_backward(
         if capture.unsupported:
             pause.resume()
             return _fall_back(cfg, capture.unsupported, eager)
-        collected = collect(capture)
+        # create_graph=True with saved-tensor hooks runs in eager (_create_graph_unsupported),
+        # whose unpack hooks must not have run already
+        collected = collect(capture, run_unpack_hooks=not create_graph)
+        if collected is None:
+            capture.clear()
+            pause.resume()
+            return _fall_back(cfg, "create_graph=True with saved-tensor hooks", eager)
     except RuntimeError as e:
         # misuse (freed graph, modified saved tensor): eager raises the same error
         pause.resume()
         return _fall_back(cfg, f"collection error: {str(e).splitlines()[0][:120]}", eager, user_error=True)
+    except Unkeyable as e:
+        # an unpack hook returned a tensor we cannot lift (a subclass, a sparse tensor)
+        capture.clear()
+        pause.resume()
+        return _fall_back(cfg, f"saved-tensor hook returned a {e}", eager)
 
     key = (cfg.backend_key, _global_state(), cfg.opaque, create_graph, collected.key)
     reason = _unsupported.get(key) if _unsupported else None

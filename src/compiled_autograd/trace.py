@@ -97,8 +97,8 @@ class Plan:
     # such call eager runs at or before that node, or before the graph when there is none:
     # (slot, node indices) per call, in `releases` (slot -1: before the graph; no entry at
     # all: every node's before the graph). AccumulateGrad, hooks on it (a leaf's
-    # tensor hooks, DDP's), modules' full backward hooks (their Function saves nothing) and
-    # unpack hooks are taken to read none. With a tensor hook on every activation, each
+    # tensor hooks, DDP's), modules' full backward hooks (on BackwardHookFunction, which
+    # saves nothing) and unpack hooks are taken to read none. With a tensor hook on every activation, each
     # layer's activations then live one layer longer than in eager, not to the graph's end
     releases: tuple = ()
     # (slot, lifted indices) per call that checks saved tensors read after it
@@ -287,8 +287,10 @@ class _BackwardTracer:
         every = list(values) + list(extra)
         # a tensor hook gets None for an undefined grad and cannot make a defined one
         # undefined (returning None keeps it; giving a tensor for None raises in eager's
-        # hook code): what it returns is defined as its input was, and needs no flag
-        flags = kind != ops.TENSOR_PRE_HOOKS
+        # hook code): what it returns is defined as its input was, and needs no flag (but a
+        # call with no tensor at all, where every grad is None, keeps its flag output: a
+        # compiler places a call by its tensors' device)
+        flags = kind != ops.TENSOR_PRE_HOOKS or all(t is None for t in tensors)
         outs, flag = self._call(kind, idx, [v.t if v is not None else None for v in every], metas, flags=flags, values=every, keeps=True)
         result, k = [], 0
         for o, v in zip(outs, values):
@@ -742,7 +744,7 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
             opaque=opaque,
             num_results=len(tracer.results),
             differentiable=differentiable,
-            releases=_releases(tracer.slots, tracer.nodes, collected.pynodes),
+            releases=_releases(tracer.slots, tracer.nodes),
         )
         return Captured(gm, plan, fakes + symints, real_mask, size_inputs, None, shape_env)
     raise RuntimeError("compiled_autograd: could not trace this backward")
@@ -762,7 +764,7 @@ def _quiet_fake_tensor_errors():
         logger.setLevel(level)
 
 
-def _releases(slots, nodes, pynodes) -> tuple:
+def _releases(slots, nodes) -> tuple:
     """Plan.releases: (slot, node indices) per call after which those executed nodes' saved
     variables are freed (NOTE [Saved tensors freed as eager frees them])."""
     reading = []  # (node, slot) of each call that may read saved tensors
@@ -772,8 +774,7 @@ def _releases(slots, nodes, pynodes) -> tuple:
         if kind != ops.NODE:
             if nodes[node][1] == ACCUMULATE_KIND:
                 continue
-            info = pynodes.get(node)
-            if info is not None and info.opaque_reason is None and not info.saved and not info.attrs:
+            if nodes[node][0] == "BackwardHookFunctionBackward":  # a module's full backward hooks
                 continue
         reading.append((node, s))
     reading.sort()
