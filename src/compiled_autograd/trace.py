@@ -25,7 +25,8 @@ A call given such a value (a hook, an opaque node, AccumulateGrad) also gets
 its definedness and passes None where it is undefined, as eager would. A
 traced formula given it as its only grad computes on the zeros: its results
 carry the same flags, and where they are summed with another grad they are
-masked first (`_sum`: a formula can turn zeros into NaN, 0 / 0 in sqrt's at 0).
+masked first (`_sum`: a formula can turn zeros into NaN, 0 / 0 in sqrt's at 0;
+a value no formula ran on since its call, zeros when undefined, needs no mask).
 A built-in node given it beside other grads runs opaquely instead: its formula
 skips an undefined grad's terms, where zeros could make NaN (0 * inf).
 """
@@ -141,11 +142,14 @@ def is_tracing() -> bool:
 class _Value:
     """A gradient flowing in the traced graph and what its definedness depends on."""
 
-    __slots__ = ("t", "bits")
+    __slots__ = ("t", "bits", "exact")
 
-    def __init__(self, t, bits=None):
+    def __init__(self, t, bits=None, exact=False):
         self.t = t
         self.bits = bits  # None: defined; else tuple of (flag tensor, position)
+        # zeros whenever undefined: what a call returned (it gives zeros for a None), or a
+        # sum of such values; no formula ran on it since, so it needs no mask (`_masked`)
+        self.exact = exact
 
 
 def _sum(a: _Value | None, b: _Value | None) -> _Value | None:
@@ -158,11 +162,11 @@ def _sum(a: _Value | None, b: _Value | None) -> _Value | None:
     if b is None:
         return a
     bits = None if a.bits is None or b.bits is None else _union(a.bits, b.bits)
-    return _Value(_masked(a) + _masked(b), bits)
+    return _Value(_masked(a) + _masked(b), bits, exact=a.exact and b.exact)
 
 
 def _masked(v: _Value):
-    if v.bits is None:
+    if v.bits is None or v.exact:  # (an exact value adds the same zeros the mask would)
         return v.t
     return torch.where(_BackwardTracer._defined(v.bits), v.t, 0.0)
 
@@ -298,13 +302,13 @@ class _BackwardTracer:
                 result.append(None)
                 continue
             if not flags:
-                result.append(_Value(o, v.bits))
+                result.append(_Value(o, v.bits, exact=True))
                 continue
             if v.bits is None:
                 bits = ((flag, k),)
             else:  # defined iff (any of v's flags) and this one
                 bits = ((torch.logical_and(self._defined(v.bits), flag[k]).reshape(1), 0),)
-            result.append(_Value(o, bits))
+            result.append(_Value(o, bits, exact=True))
             k += 1
         return result
 
@@ -386,7 +390,7 @@ class _BackwardTracer:
                 outputs = []
             else:
                 outputs = self._apply(idx, kind, values, args)
-                outputs = [None if o is None else (o if isinstance(o, _Value) else _Value(o, in_bits)) for o in outputs]
+                outputs = [None if o is None else (o if isinstance(o, _Value) else self._output_value(o, in_bits, values)) for o in outputs]
             if n_post:
                 outputs = self._post_hooks(idx, outputs, values)
             for (to, nr), v in zip(edges, outputs):
@@ -447,6 +451,13 @@ class _BackwardTracer:
             first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
             raise NeedsOpaque(idx, f"not traceable: {first}") from e
 
+    @staticmethod
+    def _output_value(o, in_bits, values) -> _Value:
+        """A node's output: exact (zeros whenever undefined) when it is an exact input
+        handed through unchanged (BackwardHookFunction's backward returns its grads)."""
+        exact = in_bits is not None and any(v is not None and v.exact and o is v.t for v in values)
+        return _Value(o, in_bits, exact=exact)
+
     def _opaque_node(self, idx, values):
         edges, edge_sizes = self.nodes[idx][5], self.nodes[idx][9]
         metas = []
@@ -466,7 +477,7 @@ class _BackwardTracer:
             if o is None:
                 result.append(None)
             else:
-                result.append(_Value(o, ((flag, k),)))
+                result.append(_Value(o, ((flag, k),), exact=True))
                 k += 1
         return result
 
