@@ -142,7 +142,7 @@ def is_tracing() -> bool:
 class _Value:
     """A gradient flowing in the traced graph and what its definedness depends on."""
 
-    __slots__ = ("t", "bits", "exact")
+    __slots__ = ("t", "bits", "exact", "version")
 
     def __init__(self, t, bits=None, exact=False):
         self.t = t
@@ -150,6 +150,7 @@ class _Value:
         # zeros whenever undefined: what a call returned (it gives zeros for a None), or a
         # sum of such values; no formula ran on it since, so it needs no mask (`_masked`)
         self.exact = exact
+        self.version = t._version if exact else None
 
 
 def _sum(a: _Value | None, b: _Value | None) -> _Value | None:
@@ -166,7 +167,7 @@ def _sum(a: _Value | None, b: _Value | None) -> _Value | None:
 
 
 def _masked(v: _Value):
-    if v.bits is None or v.exact:  # (an exact value adds the same zeros the mask would)
+    if v.bits is None or (v.exact and v.t._version == v.version):  # (the zeros the mask would add)
         return v.t
     return torch.where(_BackwardTracer._defined(v.bits), v.t, 0.0)
 
@@ -453,9 +454,10 @@ class _BackwardTracer:
 
     @staticmethod
     def _output_value(o, in_bits, values) -> _Value:
-        """A node's output: exact (zeros whenever undefined) when it is an exact input
-        handed through unchanged (BackwardHookFunction's backward returns its grads)."""
-        exact = in_bits is not None and any(v is not None and v.exact and o is v.t for v in values)
+        """A node's output: exact (zeros whenever undefined) when it is an exact input the
+        node hands through as it is (BackwardHookFunction's backward, AddBackward's), not
+        changed in place since (a backward may return `g.div_(x)`: its version moved)."""
+        exact = in_bits is not None and any(v is not None and v.exact and o is v.t and o._version == v.version for v in values)
         return _Value(o, in_bits, exact=exact)
 
     def _opaque_node(self, idx, values):
