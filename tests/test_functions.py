@@ -508,6 +508,72 @@ def test_an_unpack_hook_returning_other_metadata_than_it_learned_raises():
     assert (s.captures, s.hits, s.eager_fallbacks) == (2, 2, 0), s
 
 
+def _popping_run(seed, compiled, enable_kwargs, retain=False):
+    """(what happened, unpack calls, x's and w's grads) of a backward with a popping hook."""
+    torch.manual_seed(seed)
+    x, w = leaf(4, 3), leaf(3, 3)
+    stash, pack, pop = _stash_hooks()
+    calls = []
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda k: calls.append(k) or pop(k)):
+        loss = (x @ w).tanh().sum()
+    with ca.enable(**enable_kwargs) if compiled else contextlib.nullcontext():
+        loss.backward(retain_graph=retain)
+    return loss, calls, stash, [x.grad, w.grad]
+
+
+def _failing_backend(gm, example_inputs):
+    raise RuntimeError("this compiler failed")
+
+
+def test_a_fallback_after_unpacking_up_front_does_not_unpack_again():
+    # NOTE [Handing unpacked tensors to their saved variables]: the first backward of a graph
+    # unpacks a user's hook up front (to learn what it returns); a compile failure then falls
+    # back to eager, whose engine would run each hook a second time (a popping hook: KeyError)
+    for seed in range(2):
+        _, want_calls, _, want = _popping_run(seed, False, {})
+        _, calls, stash, got = _popping_run(seed, True, dict(backend=_failing_backend, background=False))
+        assert_grads_equal(got, want, what=f"seed {seed}")
+        assert sorted(calls) == sorted(want_calls) == [0, 1, 2] and not stash
+    s = ca.stats()
+    assert s.eager_fallbacks == 2 and s.fallback_reasons["RuntimeError: this compiler failed"] == 2, s
+
+
+def test_an_opaque_node_gets_the_tensor_unpacked_up_front():
+    # the opaque TanhBackward0 runs its own apply, which unpacks its saved result: on the first
+    # backward that is the tensor collect already unpacked, not a second call of the hook
+    for seed in range(3):
+        _, want_calls, _, want = _popping_run(seed, False, {})
+        _, calls, _, got = _popping_run(seed, True, dict(backend="aot_eager", opaque=("TanhBackward0",)))
+        assert_grads_equal(got, want, what=f"seed {seed}")
+        assert sorted(calls) == sorted(want_calls) == [0, 1, 2]
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks, s.opaque_nodes) == (1, 2, 0, 3), s
+
+
+@pytest.mark.parametrize("compile_fails", [False, True])
+def test_retain_graph_runs_the_unpack_hooks_again_on_the_next_backward(compile_fails):
+    # the handed-over tensor serves this backward only: with retain_graph the user's hooks are
+    # back for the next one (eager runs them once per backward); without, the graph is freed
+    kwargs = dict(backend=_failing_backend if compile_fails else "eager", background=False)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        x = leaf(4, 3)
+        calls = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: calls.append(1) or t):
+            loss = x.exp().sum()
+        with ca.enable(**kwargs):
+            loss.backward(retain_graph=True)
+        assert len(calls) == 1
+        loss.backward(retain_graph=True)  # eager
+        assert len(calls) == 2
+        with ca.enable(**kwargs):
+            loss.backward()
+        assert len(calls) == 3
+        torch.testing.assert_close(x.grad, 3 * x.detach().exp())
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            loss.backward()
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_checkpoint_with_retain_graph_recomputes_for_each_backward(backend):
     calls = []

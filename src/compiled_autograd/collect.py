@@ -403,9 +403,12 @@ def _collect_pynode(capture, idx: int, lift: _Lifter) -> tuple[tuple, PyNodeInfo
     return key, info
 
 
-def collect(capture, run_unpack_hooks: bool = True) -> Collected | None:
+def collect(capture, run_unpack_hooks: bool = True, keep_graph: bool = True) -> Collected | None:
     """None when the graph has saved-tensor hooks and `run_unpack_hooks` is False: the caller
-    falls back to eager, which must be the first to run them (a hook may pop what it stashed)."""
+    falls back to eager, which must be the first to run them (a hook may pop what it stashed).
+    A tensor unpacked here is handed to its saved variable (NOTE [Handing unpacked tensors to
+    their saved variables], native helper): nothing else in this backward runs its hook again;
+    with `keep_graph`, the caller puts the hooks back (`capture.restore_saved_hooks()`)."""
     saved_hooks = capture.take_saved_hooks()
     if saved_hooks and not run_unpack_hooks:
         return None
@@ -423,10 +426,10 @@ def collect(capture, run_unpack_hooks: bool = True) -> Collected | None:
         )
     # unpack hooks may key state by the current graph task (non-reentrant
     # checkpointing recomputes once per backward): run them inside one
-    return in_graph_task(lambda: _collect_python(capture, saved_hooks, pynode_indices))
+    return in_graph_task(lambda: _collect_python(capture, saved_hooks, pynode_indices, keep_graph))
 
 
-def _collect_python(capture, saved_hooks, pynode_indices) -> Collected:
+def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collected:
     lifted = list(capture.lifted())
     n_native = len(lifted)
     lift = _Lifter(lifted)
@@ -442,6 +445,7 @@ def _collect_python(capture, saved_hooks, pynode_indices) -> Collected:
             meta = LEARNED.get(learned)
             if meta is None:
                 t = unpack(hook, packed)
+                capture.hand_over(i, t, keep_graph)
                 meta = LEARNED.learn(learned, t)
                 if meta is None:
                     unpacked.append(lift(t))

@@ -586,20 +586,34 @@ def _run_backward(
     C = native.load()
     try:
         capture = C.GraphCapture(list(roots), list(grads), list(inputs), accumulate_grad)
+    except RuntimeError as e:  # misuse (freed graph, modified saved tensor): eager raises the same error
+        return _collection_error(cfg, e, eager, pause)
+    try:
+        return _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, accumulate_grad, pause)
+    finally:
+        if keep_graph:  # NOTE [Handing unpacked tensors to their saved variables] (native helper)
+            capture.restore_saved_hooks()
+
+
+def _collection_error(cfg: Config, e: RuntimeError, eager, pause: _GCPause):
+    pause.resume()
+    return _fall_back(cfg, f"collection error: {str(e).splitlines()[0][:120]}", eager, user_error=True)
+
+
+def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, accumulate_grad, pause):
+    try:
         if capture.unsupported:
             pause.resume()
             return _fall_back(cfg, capture.unsupported, eager)
         # create_graph=True with saved-tensor hooks runs in eager (_create_graph_unsupported),
         # whose unpack hooks must not have run already
-        collected = collect(capture, run_unpack_hooks=not create_graph)
+        collected = collect(capture, run_unpack_hooks=not create_graph, keep_graph=keep_graph)
         if collected is None:
             capture.clear()
             pause.resume()
             return _fall_back(cfg, "create_graph=True with saved-tensor hooks", eager)
     except RuntimeError as e:
-        # misuse (freed graph, modified saved tensor): eager raises the same error
-        pause.resume()
-        return _fall_back(cfg, f"collection error: {str(e).splitlines()[0][:120]}", eager, user_error=True)
+        return _collection_error(cfg, e, eager, pause)
     except Unkeyable as e:
         # an unpack hook returned a tensor we cannot lift (a subclass, a sparse tensor)
         capture.clear()

@@ -455,6 +455,47 @@ class NodeTable {
   std::vector<Info> entries_;
 };
 
+// NOTE [Handing unpacked tensors to their saved variables]
+// A tensor whose unpack hook collect() ran when the backward started (to learn
+// what it returns, or because that cannot be predicted) must not be unpacked
+// again by anyone else in this backward: eager's fallback, an opaque node's own
+// apply. A hook may pop what it stashed, and eager runs each once per backward.
+// So the saved variable's hooks are swapped for ones that return that tensor
+// (SavedVariable::unpack then does the rest as after a user's hook: grad_fn,
+// version counter). With retain_graph the user's hooks are put back when the
+// backward ends (the next backward runs them again, as eager's does); without,
+// the graph is freed by this backward and they are dropped at once, with their
+// packed value, as eager's release of that node would drop it. hooks_ is
+// private: its member pointer is named through an explicit instantiation,
+// which C++ exempts from access checks.
+using SavedHooksPtr = std::unique_ptr<torch::autograd::SavedVariableHooks>;
+struct SavedVariableHooksMember {
+  using type = SavedHooksPtr torch::autograd::SavedVariable::*;
+  friend type saved_hooks_member(SavedVariableHooksMember);
+};
+template <typename Tag, typename Tag::type Member>
+struct NameMember {
+  friend typename Tag::type saved_hooks_member(Tag) {
+    return Member;
+  }
+};
+template struct NameMember<SavedVariableHooksMember, &torch::autograd::SavedVariable::hooks_>;
+
+struct GivenSavedHooks : torch::autograd::SavedVariableHooks {
+  explicit GivenSavedHooks(at::Tensor t) : tensor(std::move(t)) {}
+  void call_pack_hook(const at::Tensor&) override {
+    TORCH_INTERNAL_ASSERT(false, "compiled_autograd: a handed-over saved tensor is never packed");
+  }
+  at::Tensor call_unpack_hook() override {
+    return tensor;
+  }
+  // a capture nested in this backward collects it as a tensor without hooks
+  std::optional<std::pair<c10::SafePyObject, c10::SafePyObject>> retrieve_unpack_hook_data() const override {
+    return std::nullopt;
+  }
+  at::Tensor tensor;
+};
+
 class GraphCapture {
  public:
   // roots and inputs: tensors or GradientEdges (node, output_nr)
@@ -634,19 +675,52 @@ class GraphCapture {
   py::list take_saved_hooks() {
     py::list out;
     auto* interp = getPyInterpreter();
-    std::vector<std::pair<size_t, size_t>> pairs;
+    struct Hooked {
+      const torch::autograd::SavedVariable* sv;
+      size_t hook_id, input_id;
+    };
+    std::vector<Hooked> hooked;
     for (auto& [sv, ids] : call_.sv_to_hooks) {
-      pairs.push_back(ids);
+      hooked.push_back(Hooked{sv, ids.first, ids.second});
     }
-    std::sort(pairs.begin(), pairs.end(), [](auto& a, auto& b) { return a.second < b.second; });
-    for (auto& [hook_id, input_id] : pairs) {
+    std::sort(hooked.begin(), hooked.end(), [](auto& a, auto& b) { return a.input_id < b.input_id; });
+    hooked_svs_.clear();
+    for (auto& h : hooked) {
+      hooked_svs_.push_back(const_cast<torch::autograd::SavedVariable*>(h.sv));
       out.append(py::make_tuple(
-          py::reinterpret_borrow<py::object>(call_.hooks.at(hook_id).ptr(interp)),
-          py::reinterpret_borrow<py::object>(call_.packed_inputs.at(input_id).ptr(interp))));
+          py::reinterpret_borrow<py::object>(call_.hooks.at(h.hook_id).ptr(interp)),
+          py::reinterpret_borrow<py::object>(call_.packed_inputs.at(h.input_id).ptr(interp))));
     }
     call_.hooks.clear(); // only saved variables' hooks are collected into these
     call_.packed_inputs.clear();
     return out;
+  }
+
+  // NOTE [Handing unpacked tensors to their saved variables]: the saved variable
+  // of hooked tensor `i` (take_saved_hooks' order) returns `t` when unpacked;
+  // `keep`: the user's hooks are put back by restore_saved_hooks.
+  void hand_over(size_t i, at::Tensor t, bool keep) {
+    auto* sv = hooked_svs_.at(i);
+    TORCH_CHECK(sv != nullptr && sv->has_hooks(), "compiled_autograd: no hooked saved variable to hand over to");
+    auto member = saved_hooks_member(SavedVariableHooksMember{});
+    SavedHooksPtr given = std::make_unique<GivenSavedHooks>(std::move(t));
+    const void* given_ptr = given.get();
+    std::swap(sv->*member, given); // `given` now holds the user's hooks
+    if (keep) {
+      handed_over_.push_back(HandedOver{sv, given_ptr, std::move(given)});
+    }
+  }
+
+  // Put the user's hooks back where a saved variable still has the ones
+  // hand_over gave it (not released by its node since).
+  void restore_saved_hooks() {
+    auto member = saved_hooks_member(SavedVariableHooksMember{});
+    for (auto& h : handed_over_) {
+      if ((h.sv->*member).get() == h.given) {
+        std::swap(h.sv->*member, h.original);
+      }
+    }
+    handed_over_.clear();
   }
 
   // A custom Function's forward outputs (what materialized grads look like):
@@ -972,6 +1046,7 @@ class GraphCapture {
     info_.clear();
     unpacked_proxies_.clear();
     unpack_in_graph_ = py::none();
+    hooked_svs_.clear(); // (not handed_over_: restore_saved_hooks runs after an eager fallback)
   }
 
  private:
@@ -1375,6 +1450,13 @@ class GraphCapture {
   std::vector<at::Tensor> unpacked_proxies_;
   py::object unpack_in_graph_ = py::none();
   bool filtered_ = false; // `inputs=` given: only the nodes leading to them run
+  struct HandedOver {
+    torch::autograd::SavedVariable* sv;
+    const void* given; // the hooks hand_over gave it
+    SavedHooksPtr original;
+  };
+  std::vector<torch::autograd::SavedVariable*> hooked_svs_; // take_saved_hooks' order
+  std::vector<HandedOver> handed_over_;
   std::unordered_map<Node*, torch::autograd::GraphTask::ExecInfo>* marked_ = nullptr;
 };
 
@@ -1445,6 +1527,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("roots", &GraphCapture::roots)
       .def("input_metadata", &GraphCapture::input_metadata)
       .def("take_saved_hooks", &GraphCapture::take_saved_hooks)
+      .def("hand_over", &GraphCapture::hand_over)
+      .def("restore_saved_hooks", &GraphCapture::restore_saved_hooks)
       .def("pynode_flags", &GraphCapture::pynode_flags)
       .def("pynode_output_info", &GraphCapture::pynode_output_info)
       .def("begin_trace", &GraphCapture::begin_trace)
