@@ -1067,3 +1067,22 @@ def test_a_hook_that_changes_a_saved_tensor_before_its_node_gets_eagers_error(ba
         run(True, 1)
     s = ca.stats()
     assert (s.captures, s.hits) == (1, 1), s
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_hook_that_leaks_grad_mode_does_not_change_it_for_the_next_nodes(backend):
+    # the engine runs each node in the backward's own thread-local state: a hook that leaves
+    # grad mode on (torch.set_grad_enabled(True) as a statement) changes it for its own node
+    # only; later hooks see it off again, and the grads they return do not require grad
+    def build(log, step):
+        x = leaf(3)
+        a = x.exp()
+        b = a * 2.0
+        b.register_hook(lambda g: torch.set_grad_enabled(True) and None)
+        a.register_hook(lambda g: log.append(("a", torch.is_grad_enabled(), g.requires_grad)))
+        x.register_hook(lambda g: log.append(("x", torch.is_grad_enabled(), g.requires_grad)))
+        return b.sum(), [x]
+
+    runs = observe(build, backend)
+    assert runs[1][1] == [("a", False, False), ("x", False, False)]
+    assert torch.is_grad_enabled()

@@ -242,6 +242,10 @@ def _run_call(slot, args, sizes, ranks, dtypes, devices, flags) -> list[torch.Te
     finally:
         for k, excluded in undo:
             torch._C._dispatch_tls_set_dispatch_key_excluded(k, excluded)
+        # the engine runs each node in the backward's thread-local state: a hook that left
+        # grad mode changed (`torch.set_grad_enabled(True)` as a statement) changed it for its node
+        if torch.is_grad_enabled() != capture.grad_mode:
+            torch._C._set_grad_enabled(capture.grad_mode)
 
 
 def _check_ctx(snapshots) -> None:
