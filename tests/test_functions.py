@@ -344,14 +344,13 @@ def test_saved_tensors_hooks():
             y = (x.exp() * x).sum()
         return y, [x]
 
-    observe(build)
-    # what a user's hook returns is not known before it runs: the first backward unpacks up
-    # front and learns it (NOTE [Unpack metadata learned from the last backward]), the hit
-    # unpacks each when its node runs
-    assert (
-        "saved-tensor hooks: 3 tensors unpacked in the graph, each when its node runs (as in eager); "
-        "this first backward unpacked 3 of them when it started" in ca.explain()
-    )
+    observe(build, steps=3, learning=1)
+    # what a user's hook returns is not known before it runs: the first backward runs in eager
+    # and learns it (NOTE [Unpack metadata learned from the last backward]); the capture and
+    # the hit unpack each when its node runs
+    explained = ca.explain()
+    assert "saved-tensor hooks: 3 tensors unpacked in the graph, each when its node runs (as in eager)" in explained
+    assert "learning_backwards=1" in explained and "unpacked when the backward started" not in explained
 
 
 def test_each_hooked_tensor_is_unpacked_by_position():
@@ -359,7 +358,7 @@ def test_each_hooked_tensor_is_unpacked_by_position():
     # Each is unpacked by its own call in the graph (not lifted and wired by identity), so
     # the second backward hits the first's graph and reads what its hooks return
     table = [torch.randn(3) for _ in range(3)]
-    order = [[0, 0, 1, 2], [0, 1, 1, 2]]
+    order = [[0, 0, 1, 2], [0, 1, 1, 2], [2, 1, 0, 0]]  # (the first backward learns, in eager)
 
     def build(log, step):
         a, b, c = leaf(3), leaf(3), leaf(3)
@@ -368,7 +367,7 @@ def test_each_hooked_tensor_is_unpacked_by_position():
             y = (a * b) * c  # saves a, b, then a * b, c
         return y.sum(), [a, b, c]
 
-    observe(build)
+    observe(build, steps=3, learning=1)
 
 
 def test_an_unpack_hook_returning_a_sparse_tensor_falls_back():
@@ -382,10 +381,12 @@ def test_an_unpack_hook_returning_a_sparse_tensor_falls_back():
             loss.backward()
         return [x.grad, w.grad]
 
-    for step in range(2):
+    for step in range(3):
         assert_grads_equal(run(step, True), run(step, False), what=f"step {step}")
     s = ca.stats()
-    assert (s.captures, s.eager_fallbacks) == (0, 2), s
+    # the first backward learns (in eager) that the hook returns what cannot be predicted; the
+    # next ones unpack it up front, and cannot lift it
+    assert (s.captures, s.learning_backwards, s.eager_fallbacks) == (0, 1, 2), s
     assert s.fallback_reasons["saved-tensor hook returned a tensor subclass or non-strided tensor"] == 2
 
 
@@ -395,12 +396,12 @@ def test_a_packed_tensor_of_another_shape_is_not_predicted_from_the_last():
     # metadata learned from the last backward]): each length gets its own prediction
     def build(log, step):
         x = leaf(5, 3)
-        idx = torch.arange([2, 3, 3, 2][step])
+        idx = torch.arange([2, 3, 3, 2, 2, 3][step])
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
             y = ((x * 2).index_fill(0, idx, 1.0) ** 2).sum()
         return y, [x]
 
-    observe(build, steps=4, captures=2, hits=2)
+    observe(build, steps=6, captures=2, learning=2)
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
@@ -440,13 +441,13 @@ def test_save_on_cpu():
 
 def test_checkpoint_without_its_determinism_check_is_learned():
     # without the recorded metadata, what the recomputation returns is not known beforehand:
-    # the first backward unpacks (recomputes) up front, later ones in the graph
+    # the first backward runs in eager and learns it, later ones unpack in the graph
     def build(log, step):
         x, w = leaf(2, 4), leaf(4, 4)
         y = checkpoint.checkpoint(lambda a: (a @ w).relu(), x, use_reentrant=False, determinism_check="none")
         return y.pow(2).sum(), [x, w]
 
-    observe(build)
+    observe(build, steps=3, learning=1)
     assert "saved-tensor hooks: 3 tensors unpacked in the graph" in ca.explain()
 
 
@@ -463,22 +464,21 @@ def _stash_hooks():
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_a_hook_that_changes_a_stashed_tensor_before_its_node_is_seen(backend):
-    # NOTE [Unpack metadata learned from the last backward]: on a hit, the stashed tensor is
-    # unpacked when its node runs, after the tensor hook of the node before it changed it:
-    # ExpBackward0's grad uses the doubled result, as in eager. (The first backward, which
-    # unpacks up front to learn, is the step whose hook changes nothing.)
+    # NOTE [Unpack metadata learned from the last backward]: the stashed tensor is unpacked
+    # when its node runs, after the tensor hook of the node before it changed it:
+    # ExpBackward0's grad uses the doubled result, as in eager (the first backward learns in
+    # eager, the second is a capture, the third a hit)
     def build(log, step):
         stash, pack, unpack = _stash_hooks()
         x = leaf(3, 4)
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             a = x.exp()  # ExpBackward0 saves its result: stash[0]
         b = a * 2.0
-        b.register_hook(lambda g: step > 0 and stash[0].mul_(2.0) is None or None)
+        b.register_hook(lambda g: stash[0].mul_(2.0).sum() and None)
         log.append(len(stash))
         return b.sum(), [x]
 
-    observe(build, backend, steps=3)
-    assert "this first backward unpacked 1 of them when it started" in ca.explain()
+    observe(build, backend, steps=3, learning=1)
 
 
 def test_an_unpack_hook_returning_other_metadata_than_it_learned_raises():
@@ -498,80 +498,102 @@ def test_an_unpack_hook_returning_other_metadata_than_it_learned_raises():
             y.backward()
         return x.grad
 
-    assert_grads_equal([run(True, torch.float32)], [run(False, torch.float32)])
+    for _ in range(2):  # the first learns, in eager; the second is the capture
+        assert_grads_equal([run(True, torch.float32)], [run(False, torch.float32)])
     want = run(False, torch.float64)  # eager: a float64 grad, cast back to x's dtype
     with pytest.raises(RuntimeError, match="the previous backward of this graph got"):
         run(True, torch.float64)
     assert_grads_equal([run(True, torch.float64)], [want])
     assert_grads_equal([run(True, torch.float64)], [want])
     s = ca.stats()
-    assert (s.captures, s.hits, s.eager_fallbacks) == (2, 2, 0), s
+    assert (s.captures, s.hits, s.eager_fallbacks, s.learning_backwards) == (2, 2, 0, 1), s
 
 
-def _popping_run(seed, compiled, enable_kwargs, retain=False):
-    """(what happened, unpack calls, x's and w's grads) of a backward with a popping hook."""
-    torch.manual_seed(seed)
-    x, w = leaf(4, 3), leaf(3, 3)
-    stash, pack, pop = _stash_hooks()
-    calls = []
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda k: calls.append(k) or pop(k)):
-        loss = (x @ w).tanh().sum()
-    with ca.enable(**enable_kwargs) if compiled else contextlib.nullcontext():
-        loss.backward(retain_graph=retain)
-    return loss, calls, stash, [x.grad, w.grad]
+def _sparse_w_stash():
+    """A popping stash whose (3, 3) tensor comes back sparse: unpredictable, so unpacked when
+    the backward starts (after the first backward learned that), and a lifted sparse tensor
+    falls back to eager."""
+    stash, calls = {}, []
 
+    def pack(t):
+        stash[len(stash)] = t.detach().to_sparse() if t.shape == (3, 3) else t.detach().clone()
+        return len(stash) - 1
 
-def _failing_backend(gm, example_inputs):
-    raise RuntimeError("this compiler failed")
+    def unpack(k):
+        calls.append(k)
+        return stash.pop(k)
+
+    return stash, calls, pack, unpack
 
 
 def test_a_fallback_after_unpacking_up_front_does_not_unpack_again():
-    # NOTE [Handing unpacked tensors to their saved variables]: the first backward of a graph
-    # unpacks a user's hook up front (to learn what it returns); a compile failure then falls
-    # back to eager, whose engine would run each hook a second time (a popping hook: KeyError)
-    for seed in range(2):
-        _, want_calls, _, want = _popping_run(seed, False, {})
-        _, calls, stash, got = _popping_run(seed, True, dict(backend=_failing_backend, background=False))
-        assert_grads_equal(got, want, what=f"seed {seed}")
-        assert sorted(calls) == sorted(want_calls) == [0, 1, 2] and not stash
-    s = ca.stats()
-    assert s.eager_fallbacks == 2 and s.fallback_reasons["RuntimeError: this compiler failed"] == 2, s
+    # NOTE [Handing unpacked tensors to their saved variables]: the sparse tensor is unpacked
+    # when the backward starts, and the fallback's engine would run its popping hook a second
+    # time (KeyError); it gets the tensor already unpacked, the other hooks run once as in eager
+    def run(seed, compiled):
+        torch.manual_seed(seed)
+        x, w = leaf(4, 3), leaf(3, 3)
+        stash, calls, pack, unpack = _sparse_w_stash()
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            loss = (x @ w).tanh().sum()
+        with ca.enable("aot_eager") if compiled else contextlib.nullcontext():
+            loss.backward()
+        assert sorted(calls) == [0, 1, 2] and not stash
+        return [x.grad, w.grad]
 
-
-def test_an_opaque_node_gets_the_tensor_unpacked_up_front():
-    # the opaque TanhBackward0 runs its own apply, which unpacks its saved result: on the first
-    # backward that is the tensor collect already unpacked, not a second call of the hook
     for seed in range(3):
-        _, want_calls, _, want = _popping_run(seed, False, {})
-        _, calls, _, got = _popping_run(seed, True, dict(backend="aot_eager", opaque=("TanhBackward0",)))
-        assert_grads_equal(got, want, what=f"seed {seed}")
-        assert sorted(calls) == sorted(want_calls) == [0, 1, 2]
+        assert_grads_equal(run(seed, True), run(seed, False), what=f"seed {seed}")
     s = ca.stats()
-    assert (s.captures, s.hits, s.eager_fallbacks, s.opaque_nodes) == (1, 2, 0, 3), s
+    assert (s.learning_backwards, s.eager_fallbacks) == (1, 2), s
 
 
-@pytest.mark.parametrize("compile_fails", [False, True])
-def test_retain_graph_runs_the_unpack_hooks_again_on_the_next_backward(compile_fails):
-    # the handed-over tensor serves this backward only: with retain_graph the user's hooks are
-    # back for the next one (eager runs them once per backward); without, the graph is freed
-    kwargs = dict(backend=_failing_backend if compile_fails else "eager", background=False)
+def test_an_opaque_node_with_a_popping_hook_runs_it_once():
+    # the first backward learns in eager (each hook once, at its node); then the opaque
+    # TanhBackward0 runs its own apply, which unpacks its saved result itself
+    def run(seed, compiled):
+        torch.manual_seed(seed)
+        x, w = leaf(4, 3), leaf(3, 3)
+        stash, pack, pop = _stash_hooks()
+        calls = []
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda k: calls.append(k) or pop(k)):
+            loss = (x @ w).tanh().sum()
+        with ca.enable("aot_eager", opaque=("TanhBackward0",)) if compiled else contextlib.nullcontext():
+            loss.backward()
+        assert sorted(calls) == [0, 1, 2] and not stash
+        return [x.grad, w.grad]
+
+    for seed in range(3):
+        assert_grads_equal(run(seed, True), run(seed, False), what=f"seed {seed}")
+    s = ca.stats()
+    assert (s.learning_backwards, s.captures, s.hits, s.eager_fallbacks, s.opaque_nodes) == (1, 1, 1, 0, 2), s
+
+
+def test_retain_graph_runs_the_unpack_hooks_again_on_the_next_backward():
+    # what collect unpacked (or learned through) serves its backward only: with retain_graph
+    # the user's hooks are back for the next one (eager runs them once per backward); without,
+    # the graph is freed. Seed 0's first backward learns in eager; seed 1's unpacks the sparse
+    # tensor up front and falls back
     for seed in range(2):
         torch.manual_seed(seed)
-        x = leaf(4, 3)
-        calls = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: calls.append(1) or t):
-            loss = x.exp().sum()
-        with ca.enable(**kwargs):
+        x, w = leaf(4, 3), leaf(3, 3)
+        stash, calls, pack, _ = _sparse_w_stash()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda k: calls.append(k) or stash[k]):
+            loss = (x @ w).tanh().sum()
+        with ca.enable("aot_eager"):
             loss.backward(retain_graph=True)
-        assert len(calls) == 1
+        assert sorted(calls) == [0, 1, 2]
         loss.backward(retain_graph=True)  # eager
-        assert len(calls) == 2
-        with ca.enable(**kwargs):
+        assert len(calls) == 6
+        with ca.enable("aot_eager"):
             loss.backward()
-        assert len(calls) == 3
-        torch.testing.assert_close(x.grad, 3 * x.detach().exp())
+        assert len(calls) == 9
+        want = torch.autograd.grad((x @ w).tanh().sum(), [x, w])  # (no hooks)
+        torch.testing.assert_close(x.grad, 3 * want[0])
+        torch.testing.assert_close(w.grad, 3 * want[1])
         with pytest.raises(RuntimeError, match="backward through the graph a second time"):
             loss.backward()
+    s = ca.stats()
+    assert (s.learning_backwards, s.eager_fallbacks) == (1, 3), s
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])

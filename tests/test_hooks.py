@@ -28,7 +28,10 @@ def _compare_logs(got, want, what):
             assert g == w, f"{what} #{i}: {g!r} vs {w!r}"
 
 
-def observe(build, backend="eager", steps=2, captures=1, n_opaque=0, hits=None, **options):
+def observe(build, backend="eager", steps=2, captures=1, n_opaque=0, hits=None, learning=0, **options):
+    """Eager, then compiled, per step: same grads and logs. `learning`: backwards run in eager to
+    learn what saved-tensor unpack hooks return (NOTE [Unpack metadata learned from the last
+    backward]); `n_opaque` per compiled backward."""
     for step in range(steps):
         runs = []
         for compiled in (False, True):
@@ -47,8 +50,9 @@ def observe(build, backend="eager", steps=2, captures=1, n_opaque=0, hits=None, 
     s = ca.stats()
     assert s.eager_fallbacks == 0, s.fallback_reasons
     assert s.captures == captures, s
-    assert s.hits == (steps - captures if hits is None else hits), s
-    assert s.opaque_nodes == n_opaque * steps, s.opaque_reasons
+    assert s.learning_backwards == learning, s
+    assert s.hits == (steps - captures - learning if hits is None else hits), s
+    assert s.opaque_nodes == n_opaque * (steps - learning), s.opaque_reasons
     return runs
 
 

@@ -8,8 +8,10 @@ node. This module adds what only Python can see:
     key by value makes that node opaque (it runs as is, inside the graph).
   * saved tensors that carry saved_tensors_hooks: unpacked inside the graph,
     at the node that uses them, when what the hook will return is known
-    beforehand (NOTE [Unpacking in the graph]); otherwise their unpack hooks run
-    now, when the backward starts, and the unpacked tensors are lifted.
+    beforehand (NOTE [Unpacking in the graph]) or was learned from an eager
+    backward of the same graph (NOTE [Unpack metadata learned from the last
+    backward]); otherwise their unpack hooks run now, when the backward starts,
+    and the unpacked tensors are lifted.
 
 NOTE [Unpacking in the graph]
 Eager unpacks a saved tensor when its node runs: non-reentrant checkpointing
@@ -32,18 +34,21 @@ returned against the prediction, and raises rather than misread a tensor.
 NOTE [Unpack metadata learned from the last backward]
 Any other hook (activation offloading, compression, a user's stash) gives no
 such prediction: what its packed value holds is its own business. The first
-backward of a graph unpacks those tensors when it starts (all alive at once,
-as before), and remembers what each returned, under the graph's native key, its
-sizes, the tensor's position, the hook's code and the shapes of the tensors in the
-packed value (`_packed_meta`). The graph is traced with them
-unpacked in the graph anyway: the call of that first backward hands over the
-tensor already unpacked. Every later backward of the same graph and sizes
-predicts the same metadata, unpacks each tensor when its node runs, as eager
-does (offloading keeps its memory saving; a hook's in-place change to a stashed
-tensor before its node runs is seen), and hits that graph. A hook that then
-returns something else raises (the graph ran part way: it cannot fall back) and
-that tensor is unpacked up front from then on. Only plain strided tensors are
-learned; anything else is lifted, as before.
+backward of a graph and sizes with such hooks runs in eager autograd
+(`stats().learning_backwards`), each hook at its node as eager runs it, with
+the saved variable's hooks wrapped so that what each returns is reported
+(NOTE [Handing unpacked tensors to their saved variables], native helper).
+What it returned is remembered under the graph's native key, its sizes, the
+tensor's position, the hook's code and the shapes of the tensors in the
+packed value (`_packed_meta`). Every later backward of the same graph and
+sizes predicts the same metadata, is traced (or hits) with each tensor
+unpacked in the graph when its node runs, as eager does: offloading and
+compression keep their memory saving from the first backward on, and a
+hook's in-place change to a stashed tensor before its node runs is seen. A
+hook that then returns something else raises (the graph ran part way: it
+cannot fall back) and that tensor is unpacked when the backward starts from
+then on, and so is one that returned something other than a plain strided
+tensor, or that eager did not unpack (its node's formula did not need it).
 """
 
 from __future__ import annotations
@@ -90,7 +95,7 @@ class Collected:
     n_size_inputs: int
     lifted: list
     n_native: int
-    unpacked: tuple  # per hooked saved tensor: its lifted index, or -1 when unpacked in the graph
+    unpacked: tuple  # per hooked saved tensor: its lifted index (unpacked up front), or -1 when unpacked in the graph
     pynodes: dict = field(default_factory=dict)
     hooks: list = field(default_factory=list)  # (unpack_hook, packed, learned key or None) per hooked saved tensor
     in_graph: tuple = ()  # (hooked tensor id, dtype, device, dim) of those unpacked in the graph
@@ -105,6 +110,29 @@ class Collected:
     def up_front(self) -> list:
         """The lifted index of every tensor unpacked when the backward started."""
         return [i for i in self.unpacked if i >= 0]
+
+
+class Learn:
+    """A backward whose user unpack hooks return what no earlier backward of this graph and
+    sizes has shown (NOTE [Unpack metadata learned from the last backward]): it runs in
+    eager autograd, each hook at its node, and `report` learns what each returned."""
+
+    def __init__(self, capture, keys: dict):
+        self.capture = capture
+        self.keys = keys  # hooked tensor position -> learned key
+        self.reported: set = set()
+
+    def report(self, i, t) -> None:
+        self.reported.add(i)
+        if LEARNED.learn(self.keys[i], t) is None:
+            LEARNED.mark_unpredictable(self.keys[i])
+
+    def finish(self) -> None:
+        """After the backward: a tensor eager did not unpack (its node's formula did not need
+        it) gives nothing to learn; it is unpacked when the backward starts from then on."""
+        for i, key in self.keys.items():
+            if i not in self.reported:
+                LEARNED.mark_unpredictable(key)
 
 
 def layout_signature(t: torch.Tensor):
@@ -429,13 +457,9 @@ def collect(capture, run_unpack_hooks: bool = True, keep_graph: bool = True) -> 
     return in_graph_task(lambda: _collect_python(capture, saved_hooks, pynode_indices, keep_graph))
 
 
-def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collected:
-    lifted = list(capture.lifted())
-    n_native = len(lifted)
-    lift = _Lifter(lifted)
+def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collected | Learn:
     predict = _Predictor()
-    unpacked, in_graph, shapes = [], [], []
-    hooks, native_key = [], None
+    metas, learn, native_key = [], {}, None
     for i, (hook, packed) in enumerate(saved_hooks):
         meta, learned = predict(hook, packed), None
         if meta is None:
@@ -443,15 +467,22 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
                 native_key = (hashlib.blake2b(capture.key(), digest_size=16).digest(), tuple(capture.sizes()))
             learned = (native_key, i, _hook_code(hook), _packed_meta(packed))
             meta = LEARNED.get(learned)
-            if meta is None:
-                t = unpack(hook, packed)
-                capture.hand_over(i, t, keep_graph)
-                meta = LEARNED.learn(learned, t)
-                if meta is None:
-                    unpacked.append(lift(t))
-                    hooks.append(None)
-                    continue
-                hook, packed = _given, t  # this backward's call hands it over as it is
+            if meta is None and not LEARNED.is_unpredictable(learned):
+                learn[i] = learned
+        metas.append((meta, learned))
+    if learn:
+        return Learn(capture, learn)
+    lifted = list(capture.lifted())
+    n_native = len(lifted)
+    lift = _Lifter(lifted)
+    unpacked, in_graph, shapes, hooks = [], [], [], []
+    for i, ((hook, packed), (meta, learned)) in enumerate(zip(saved_hooks, metas)):
+        if meta is None:  # unpredictable: unpacked now, a graph input
+            t = unpack(hook, packed)
+            capture.hand_over(i, t, keep_graph)
+            unpacked.append(lift(t))
+            hooks.append(None)
+            continue
         shape, dtype, device = meta
         unpacked.append(-1)
         in_graph.append((i, dtype, device, len(shape)))
@@ -566,12 +597,6 @@ class _Predictor:
         return tuple(meta["shape"]), meta["dtype"], meta["device"]
 
 
-def _given(t):
-    """The unpack hook of a tensor unpacked when the backward started, whose call in the
-    graph hands it over (NOTE [Unpack metadata learned from the last backward])."""
-    return t
-
-
 def _packed_meta(packed):
     """What a packed value shows of its tensors (shape, dtype, device): part of the learned
     key, so that a saved tensor packed with another shape, where nothing else in the graph
@@ -615,15 +640,21 @@ class _Learned:
             self.metas[key] = meta
         return meta
 
-    def check(self, key, t, shape, dtype, device) -> None:
-        """At replay: what the hook returned against the prediction."""
-        if isinstance(t, torch.Tensor) and list(t.shape) == list(shape) and t.dtype == dtype and t.device == device:
-            return
+    def is_unpredictable(self, key) -> bool:
+        return key in self.unpredictable
+
+    def mark_unpredictable(self, key) -> None:
         with self.lock:
             self.metas.pop(key, None)
             if len(self.unpredictable) >= self.LIMIT:
                 self.unpredictable.pop(next(iter(self.unpredictable)))
             self.unpredictable[key] = True
+
+    def check(self, key, t, shape, dtype, device) -> None:
+        """At replay: what the hook returned against the prediction."""
+        if isinstance(t, torch.Tensor) and list(t.shape) == list(shape) and t.dtype == dtype and t.device == device:
+            return
+        self.mark_unpredictable(key)
         got = f"{tuple(t.shape)}/{t.dtype}/{t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise RuntimeError(
             f"compiled_autograd: the unpack hook of a saved tensor returned {got}, where the previous "

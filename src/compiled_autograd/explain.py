@@ -29,12 +29,6 @@ def explain() -> str:
             lines.append(
                 f"    saved-tensor hooks: {c['in_graph']} tensors unpacked in the graph, each when its node runs "
                 "(as in eager)"
-                + (
-                    f"; this first backward unpacked {c['learned']} of them when it started, to learn what "
-                    "their hooks return (later backwards of this graph and sizes do not)"
-                    if c.get("learned")
-                    else ""
-                )
             )
         if c.get("unpacked"):
             lines.append(

@@ -30,7 +30,7 @@ from .cache import CACHE, CompiledBackward, Dynamic
 from .config import Config
 from .stats import LOCK, STATS
 from . import ops
-from .collect import LEARNED, Unkeyable, _given, collect
+from .collect import LEARNED, Learn, Unkeyable, collect
 from .logs import compile_status
 from .graph_task import in_graph_task
 from .trace import NotTwiceDifferentiable, capture_backward, guards_of, tensor_positions
@@ -137,6 +137,18 @@ def _fall_back(cfg: Config, reason: str, eager: Callable[[], Any], user_error: b
         _warned.add(reason)
         warnings.warn(f"compiled_autograd: running a backward in eager autograd: {reason}", stacklevel=4)
     log.info("eager fallback: %s", reason)
+    return result
+
+
+def _learn_in_eager(learn: Learn, eager: Callable[[], Any]):
+    """NOTE [Unpack metadata learned from the last backward] (collect.py): this backward runs
+    in eager autograd, its user unpack hooks reporting what they return (`learn_unpacks`, before
+    the capture let go of the graph); the next one of this graph and sizes is compiled."""
+    log.info("eager backward to learn what %d saved-tensor unpack hooks return", len(learn.keys))
+    result = eager()
+    learn.finish()
+    with LOCK:
+        STATS.learning_backwards += 1
     return result
 
 
@@ -279,8 +291,7 @@ def _unpacked_up_front(collected) -> dict:
     nbytes = sum(storages.values())
     if tensors:
         log.info("%d tensors (%.1f MB) unpacked by saved-tensor hooks when the backward started", len(tensors), nbytes / 2**20)
-    learned = sum(1 for h in collected.hooks if h is not None and h[0] is _given)
-    return dict(unpacked=len(tensors), unpacked_mb=nbytes / 2**20, in_graph=len(collected.in_graph), learned=learned)
+    return dict(unpacked=len(tensors), unpacked_mb=nbytes / 2**20, in_graph=len(collected.in_graph))
 
 
 def _static_fakes(tensors):
@@ -591,8 +602,7 @@ def _run_backward(
     try:
         return _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, accumulate_grad, pause)
     finally:
-        if keep_graph:  # NOTE [Handing unpacked tensors to their saved variables] (native helper)
-            capture.restore_saved_hooks()
+        capture.restore_saved_hooks()  # NOTE [Handing unpacked tensors to their saved variables] (native helper)
 
 
 def _collection_error(cfg: Config, e: RuntimeError, eager, pause: _GCPause):
@@ -612,6 +622,11 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
             capture.clear()
             pause.resume()
             return _fall_back(cfg, "create_graph=True with saved-tensor hooks", eager)
+        if isinstance(collected, Learn):
+            capture.learn_unpacks(sorted(collected.keys), collected.report)
+            capture.clear()
+            pause.resume()
+            return _learn_in_eager(collected, eager)
     except RuntimeError as e:
         return _collection_error(cfg, e, eager, pause)
     except Unkeyable as e:

@@ -16,6 +16,9 @@ class Stats:
     disk_hits:       graphs loaded from the on-disk cache instead of traced
     hits:            backwards served by a cached compiled graph
     eager_fallbacks: backwards that ran in eager autograd instead
+    learning_backwards: backwards run in eager autograd to learn what saved-tensor unpack
+                     hooks return (the first of each graph and sizes with such hooks; not
+                     fallbacks: the next one is compiled)
     opaque_nodes:    nodes run eagerly inside a compiled graph (per backward run)
     opaque_reasons:  Counter of "node: reason" -> runs
     fallback_reasons: Counter of reason -> number of eager fallbacks
@@ -29,6 +32,7 @@ class Stats:
     disk_hits: int = 0
     hits: int = 0
     eager_fallbacks: int = 0
+    learning_backwards: int = 0
     opaque_nodes: int = 0
     fallback_reasons: Counter = field(default_factory=Counter)
     opaque_reasons: Counter = field(default_factory=Counter)
@@ -44,6 +48,7 @@ class Stats:
             disk_hits=self.disk_hits,
             hits=self.hits,
             eager_fallbacks=self.eager_fallbacks,
+            learning_backwards=self.learning_backwards,
             opaque_nodes=self.opaque_nodes,
             fallback_reasons=Counter(self.fallback_reasons),
             opaque_reasons=Counter(self.opaque_reasons),
@@ -55,8 +60,10 @@ class Stats:
 
     def __str__(self) -> str:
         reasons = ", ".join(f"{r}: {n}" for r, n in self.fallback_reasons.most_common())
+        learning = f"learning_backwards={self.learning_backwards} " if self.learning_backwards else ""
         return (
-            f"captures={self.captures} (dynamic {self.dynamic_captures}) disk_hits={self.disk_hits} hits={self.hits} eager_fallbacks={self.eager_fallbacks} "
+            f"captures={self.captures} (dynamic {self.dynamic_captures}) disk_hits={self.disk_hits} hits={self.hits} "
+            f"eager_fallbacks={self.eager_fallbacks} {learning}"
             f"opaque_nodes={self.opaque_nodes} trace={self.trace_seconds:.2f}s "
             f"compile={self.compile_seconds:.2f}s" + (f" fallbacks[{reasons}]" if reasons else "")
         )

@@ -456,18 +456,24 @@ class NodeTable {
 };
 
 // NOTE [Handing unpacked tensors to their saved variables]
-// A tensor whose unpack hook collect() ran when the backward started (to learn
-// what it returns, or because that cannot be predicted) must not be unpacked
-// again by anyone else in this backward: eager's fallback, an opaque node's own
-// apply. A hook may pop what it stashed, and eager runs each once per backward.
-// So the saved variable's hooks are swapped for ones that return that tensor
-// (SavedVariable::unpack then does the rest as after a user's hook: grad_fn,
-// version counter). With retain_graph the user's hooks are put back when the
-// backward ends (the next backward runs them again, as eager's does); without,
-// the graph is freed by this backward and they are dropped at once, with their
-// packed value, as eager's release of that node would drop it. hooks_ is
-// private: its member pointer is named through an explicit instantiation,
-// which C++ exempts from access checks.
+// A tensor whose unpack hook collect() ran when the backward started (one whose
+// result cannot be predicted) must not be unpacked again by anyone else in this
+// backward: eager's fallback, an opaque node's own apply. A hook may pop what
+// it stashed, and eager runs each once per backward. So the saved variable's
+// hooks are swapped for ones that return that tensor (SavedVariable::unpack
+// then does the rest as after a user's hook: grad_fn, version counter). With
+// retain_graph the user's hooks are put back when the backward ends (the next
+// backward runs them again, as eager's does); without, the graph is freed by
+// this backward and they are dropped at once, with their packed value, as
+// eager's release of that node would drop it.
+//
+// The same swap serves the backward that learns what a user's unpack hooks
+// return (NOTE [Unpack metadata learned from the last backward], collect.py):
+// it runs in eager, each hook at its node, wrapped so that what it returns is
+// reported; the wrapper is taken off when the backward ends.
+//
+// hooks_ is private: its member pointer is named through an explicit
+// instantiation, which C++ exempts from access checks.
 using SavedHooksPtr = std::unique_ptr<torch::autograd::SavedVariableHooks>;
 struct SavedVariableHooksMember {
   using type = SavedHooksPtr torch::autograd::SavedVariable::*;
@@ -494,6 +500,30 @@ struct GivenSavedHooks : torch::autograd::SavedVariableHooks {
     return std::nullopt;
   }
   at::Tensor tensor;
+};
+
+struct LearningSavedHooks : torch::autograd::SavedVariableHooks {
+  LearningSavedHooks(SavedHooksPtr original, py::object report, size_t i)
+      : original(std::move(original)), report(std::move(report)), i(i) {}
+  ~LearningSavedHooks() override {
+    py::gil_scoped_acquire gil;
+    report = py::object();
+  }
+  void call_pack_hook(const at::Tensor&) override {
+    TORCH_INTERNAL_ASSERT(false, "compiled_autograd: a saved tensor being unpacked is never packed");
+  }
+  at::Tensor call_unpack_hook() override {
+    at::Tensor t = original->call_unpack_hook(); // the user's hook (it takes the GIL)
+    py::gil_scoped_acquire gil;
+    report(i, t);
+    return t;
+  }
+  std::optional<std::pair<c10::SafePyObject, c10::SafePyObject>> retrieve_unpack_hook_data() const override {
+    return original->retrieve_unpack_hook_data();
+  }
+  SavedHooksPtr original;
+  py::object report;
+  size_t i;
 };
 
 class GraphCapture {
@@ -700,27 +730,42 @@ class GraphCapture {
   // of hooked tensor `i` (take_saved_hooks' order) returns `t` when unpacked;
   // `keep`: the user's hooks are put back by restore_saved_hooks.
   void hand_over(size_t i, at::Tensor t, bool keep) {
-    auto* sv = hooked_svs_.at(i);
-    TORCH_CHECK(sv != nullptr && sv->has_hooks(), "compiled_autograd: no hooked saved variable to hand over to");
-    auto member = saved_hooks_member(SavedVariableHooksMember{});
     SavedHooksPtr given = std::make_unique<GivenSavedHooks>(std::move(t));
-    const void* given_ptr = given.get();
-    std::swap(sv->*member, given); // `given` now holds the user's hooks
+    auto* installed = given.get();
+    auto original = swap_hooks(i, std::move(given));
     if (keep) {
-      handed_over_.push_back(HandedOver{sv, given_ptr, std::move(given)});
+      swapped_.push_back(Swapped{hooked_svs_[i], installed, std::move(original)});
+    }
+  }
+
+  // The hooks of these hooked tensors report what they return: report(i, tensor)
+  // (NOTE [Unpack metadata learned from the last backward], collect.py).
+  void learn_unpacks(const std::vector<size_t>& idxs, py::object report) {
+    for (size_t i : idxs) {
+      auto learning = std::make_unique<LearningSavedHooks>(nullptr, report, i);
+      auto* installed = learning.get();
+      installed->original = swap_hooks(i, std::move(learning));
+      swapped_.push_back(Swapped{hooked_svs_[i], installed, nullptr});
     }
   }
 
   // Put the user's hooks back where a saved variable still has the ones
-  // hand_over gave it (not released by its node since).
+  // hand_over or learn_unpacks gave it (its node has not released it since).
   void restore_saved_hooks() {
     auto member = saved_hooks_member(SavedVariableHooksMember{});
-    for (auto& h : handed_over_) {
-      if ((h.sv->*member).get() == h.given) {
-        std::swap(h.sv->*member, h.original);
+    for (auto& h : swapped_) {
+      auto& hooks = h.sv->*member;
+      if (hooks.get() != h.installed) {
+        continue;
+      }
+      if (h.original) {
+        hooks = std::move(h.original);
+      } else {
+        hooks = std::move(static_cast<LearningSavedHooks*>(h.installed)->original);
       }
     }
-    handed_over_.clear();
+    swapped_.clear();
+    swap_keepalive_.clear();
   }
 
   // A custom Function's forward outputs (what materialized grads look like):
@@ -1046,7 +1091,7 @@ class GraphCapture {
     info_.clear();
     unpacked_proxies_.clear();
     unpack_in_graph_ = py::none();
-    hooked_svs_.clear(); // (not handed_over_: restore_saved_hooks runs after an eager fallback)
+    hooked_svs_.clear(); // (not swapped_: restore_saved_hooks runs after an eager fallback)
   }
 
  private:
@@ -1450,13 +1495,27 @@ class GraphCapture {
   std::vector<at::Tensor> unpacked_proxies_;
   py::object unpack_in_graph_ = py::none();
   bool filtered_ = false; // `inputs=` given: only the nodes leading to them run
-  struct HandedOver {
+  // NOTE [Handing unpacked tensors to their saved variables]
+  struct Swapped {
     torch::autograd::SavedVariable* sv;
-    const void* given; // the hooks hand_over gave it
-    SavedHooksPtr original;
+    torch::autograd::SavedVariableHooks* installed;
+    SavedHooksPtr original; // (learn_unpacks': held by the installed hooks)
   };
   std::vector<torch::autograd::SavedVariable*> hooked_svs_; // take_saved_hooks' order
-  std::vector<HandedOver> handed_over_;
+  std::vector<Swapped> swapped_;
+  std::vector<c10::intrusive_ptr<Node>> swap_keepalive_; // the nodes holding those saved variables
+
+  SavedHooksPtr swap_hooks(size_t i, SavedHooksPtr hooks) {
+    auto* sv = hooked_svs_.at(i);
+    TORCH_CHECK(sv != nullptr && sv->has_hooks(), "compiled_autograd: no hooked saved variable to swap");
+    if (swap_keepalive_.empty()) {
+      for (auto& r : nodes_) {
+        swap_keepalive_.push_back(r.fn);
+      }
+    }
+    std::swap(sv->*saved_hooks_member(SavedVariableHooksMember{}), hooks);
+    return hooks;
+  }
   std::unordered_map<Node*, torch::autograd::GraphTask::ExecInfo>* marked_ = nullptr;
 };
 
@@ -1528,6 +1587,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("input_metadata", &GraphCapture::input_metadata)
       .def("take_saved_hooks", &GraphCapture::take_saved_hooks)
       .def("hand_over", &GraphCapture::hand_over)
+      .def("learn_unpacks", &GraphCapture::learn_unpacks)
       .def("restore_saved_hooks", &GraphCapture::restore_saved_hooks)
       .def("pynode_flags", &GraphCapture::pynode_flags)
       .def("pynode_output_info", &GraphCapture::pynode_output_info)
