@@ -190,6 +190,15 @@ def _meta(t):
     return (list(t.shape), t.dtype, str(t.device))
 
 
+def _is_aot_compiled_function(cls) -> bool:
+    """AOTAutograd's CompiledFunction (torch._functorch._aot_autograd.runtime_wrappers)."""
+    return (
+        getattr(cls, "__module__", None) == "torch._functorch._aot_autograd.runtime_wrappers"
+        and cls.__name__ == "CompiledFunction"
+        and hasattr(cls, "_lazy_backward_info")
+    )
+
+
 class _BackwardTracer:
     def __init__(self, collected: Collected, opaque_extra: dict[int, str], size_inputs=()):
         self.c = collected
@@ -203,7 +212,7 @@ class _BackwardTracer:
         self.results: list = []
         self.accumulate: list = []
         self.in_graph_accumulate = collected.grad_on_ctx or any(
-            self._is_opaque(i) or any(n[7][:4]) or n[7][4] for i, n in enumerate(self.nodes)
+            (self._is_opaque(i) and self._may_read_grads(i)) or any(n[7][:4]) or n[7][4] for i, n in enumerate(self.nodes)
         )
 
     def _is_opaque(self, idx) -> bool:
@@ -212,6 +221,16 @@ class _BackwardTracer:
             return True
         info = self.c.pynodes.get(idx)
         return info is not None and info.opaque_reason is not None
+
+    def _may_read_grads(self, idx) -> bool:
+        """Whether an opaque node may run code that reads a `.grad` (so AccumulateGrad runs at its
+        eager position): a custom Function's backward or a C++ node we know nothing of may; a
+        built-in formula (marked opaque, or not traceable on fakes) does not, nor does the
+        backward AOTAutograd compiled for a torch.compile'd forward (a compiled graph of aten
+        ops between its prologue and epilogue)."""
+        if idx in self.c.pynodes:
+            return not _is_aot_compiled_function(self.capture.node_object(idx)._forward_cls)
+        return bool(self.nodes[idx][3])
 
     def opaque_reason(self, idx) -> str:
         n = self.nodes[idx]
@@ -438,8 +457,7 @@ class _BackwardTracer:
             # a formula given an undefined grad beside others skips its terms; on the zeros
             # standing in for it, 0 * inf in such a term would be NaN (var_mean's var term
             # with one element). The node runs as is, given None where eager gives None.
-            # (Inline: flags mean a hook or an opaque node is already in the graph, so
-            # AccumulateGrad already runs in it.)
+            # (Inline: a flag means a hook or an opaque node is already in the graph.)
             self.opaque_extra[idx] = "a grad that may be None at run time, beside others"
             return self._opaque_node(idx, values)
         try:
