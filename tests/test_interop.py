@@ -67,7 +67,7 @@ def test_fx_traces_in_two_threads_do_not_corrupt_each_other():
     """NOTE [One fx trace at a time]: trace A starts, trace B starts in another thread, A ends
     first. Without the lock, A's exit takes B's patcher from torch.fx's process global and B
     fails with "CURRENT_PATCHER is None in finally block" (a capture racing a background
-    compile did, in a conformance run)."""
+    compile did, in a conformance run), and the "fx trace running" flag stays set."""
     import threading
 
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -102,6 +102,9 @@ def test_fx_traces_in_two_threads_do_not_corrupt_each_other():
     b.join(10)
     assert not errors, errors
     assert torch.nn.Module.__call__ is original_call
+    # B saved the flag A had set and restored it after A's end: a torch.compile'd function
+    # called after that raised "using FX to symbolically trace a dynamo-optimized function"
+    assert not torch.fx._symbolic_trace.is_fx_tracing()
 
 
 def test_a_torch_compiled_forward_runs_its_compiled_backward_opaquely():

@@ -25,30 +25,35 @@ _lock = threading.RLock()
 # NOTE [One fx trace at a time]
 # torch.fx's tracer (make_fx uses it) patches `nn.Module.__call__` and
 # `__getattr__` for the length of a trace and keeps the patcher in a process
-# global (`torch.fx._symbolic_trace.CURRENT_PATCHER`). Two traces in two
-# threads -- ours in the user's thread, AOTAutograd's in a background compile
-# -- corrupt it: one fails with "CURRENT_PATCHER is None in finally block"
-# (seen in the create_graph conformance run with inductor), and one trace's
-# patches can stay installed. So every fx trace in the process holds one
-# reentrant lock: a trace in one thread waits for the other's to end (a
-# trace, not a whole compile).
+# global (`torch.fx._symbolic_trace.CURRENT_PATCHER`), and it sets a process
+# global "an fx trace is running" flag (`_is_fx_tracing_flag`), saved and
+# restored around the trace. Two traces in two threads -- ours in the user's
+# thread, AOTAutograd's in a background compile -- corrupt both: one fails with
+# "CURRENT_PATCHER is None in finally block" (seen in the create_graph
+# conformance run with inductor), one trace's patches can stay installed, and
+# the flag can be restored to True by the trace that started second and ended
+# last, after which every torch.compile'd function in the process raises
+# "Detected that you are using FX to symbolically trace a dynamo-optimized
+# function". So every fx trace in the process (`Tracer.trace`, which the
+# tracers' own `trace` methods call) holds one reentrant lock: a trace in one
+# thread waits for the other's to end (a trace, not a whole compile).
 _trace_lock = threading.RLock()
 
 
 def _serialize_fx_traces() -> None:
-    import torch.fx._symbolic_trace as st
+    from torch.fx._symbolic_trace import Tracer
 
-    original = getattr(st, "_new_patcher", None)
-    if original is None or getattr(original, "_compiled_autograd", False):
+    original = Tracer.trace
+    if getattr(original, "_compiled_autograd", False):
         return
 
-    @contextlib.contextmanager
-    def _new_patcher():
-        with _trace_lock, original() as patcher:
-            yield patcher
+    @functools.wraps(original)
+    def trace(self, *args, **kwargs):
+        with _trace_lock:
+            return original(self, *args, **kwargs)
 
-    _new_patcher._compiled_autograd = True
-    st._new_patcher = _new_patcher
+    trace._compiled_autograd = True
+    Tracer.trace = trace
 
 
 _serialize_fx_traces()
