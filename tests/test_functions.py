@@ -815,3 +815,118 @@ def test_a_backward_that_reads_python_state_sees_its_current_value(kind):
         assert (s.captures, s.hits, s.opaque_nodes) == (2, 1, 0), s
     else:
         assert s.opaque_nodes == 3 and (s.captures, s.hits) == (1, 2), s
+
+
+@pytest.mark.parametrize("retain", [True, False])
+def test_an_error_in_the_learning_backward_is_the_users_and_runs_nothing_twice(retain):
+    # the first backward with a user unpack hook runs in eager (it learns); a hook raising in it
+    # must raise as in eager: the backward was run a second time from the start (w2's grad
+    # doubled, every unpack hook run again)
+    def run(compiled):
+        torch.manual_seed(0)
+        w1, w2, x = leaf(4, 4), leaf(4, 4), torch.randn(3, 4)
+        unpacks, fail = [], [True]
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach().clone(), lambda t: unpacks.append(1) or t):
+            h = (x @ w1).tanh()
+            loss = (h @ w2).sin().sum()
+
+        def flaky(g):  # runs after w2's grad was accumulated
+            if fail.pop():
+                raise RuntimeError("transient failure")
+
+        h.register_hook(flaky)
+        with pytest.raises(RuntimeError, match="transient failure"):
+            with ca.enable("aot_eager") if compiled else contextlib.nullcontext():
+                loss.backward(retain_graph=retain)
+        return len(unpacks), w2.grad.clone()
+
+    (n_eager, g_eager), (n_ours, g_ours) = run(False), run(True)
+    assert n_ours == n_eager
+    torch.testing.assert_close(g_ours, g_eager, rtol=0, atol=0)
+
+
+def test_a_learning_backward_through_nodes_that_free_their_saved_variables():
+    # a Foreach node's release destroys its saved variables themselves (it clears their vector):
+    # putting back hooks there read freed memory (a segfault once the vector was large)
+    def run(compiled):
+        torch.manual_seed(0)
+        xs, ys = [leaf(2) for _ in range(3000)], [leaf(2) for _ in range(3000)]
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t * 1, lambda t: t + 0):
+            loss = torch.stack(torch._foreach_mul(xs, ys)).sum()
+        with ca.enable("aot_eager") if compiled else contextlib.nullcontext():
+            loss.backward()
+        return [torch.stack([x.grad for x in xs])]
+
+    assert_grads_equal(run(True), run(False))
+    assert ca.stats().learning_backwards == 1
+
+
+def test_an_opaque_custom_function_with_a_popping_hook_unpacks_once():
+    # collecting a custom Function reads its saved_tensors (runs the user's unpack hooks); an
+    # opaque one (reentrant checkpoint) then runs its own backward, which read them again
+    # (KeyError). What the hooks returned is handed to its saved variables instead
+    def run(compiled):
+        stash, n = {}, [0]
+
+        def pack(t):
+            stash[len(stash) + n[0]] = t.detach().clone()
+            return len(stash) + n[0] - 1
+
+        def unpack(k):
+            n[0] += 1
+            return stash.pop(k)
+
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        out = []
+        for step in range(3):
+            x = torch.randn(4, 6, requires_grad=True)
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                h = checkpoint.checkpoint(lambda a: m[1](m[0](a)), x, use_reentrant=True)
+                loss = m[2](h).pow(2).sum()
+            m.zero_grad()
+            with ca.enable("aot_eager") if compiled else contextlib.nullcontext():
+                loss.backward()
+            out += [n[0], m[0].weight.grad.clone(), x.grad.clone()]
+        return out
+
+    want, got = run(False), run(True)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if isinstance(w, int):
+            assert g == w, (i, g, w)
+        else:
+            torch.testing.assert_close(g, w)
+
+
+def test_a_hook_whose_result_changes_raises_once():
+    # NOTE [Unpack metadata learned from the last backward]: the unpack hook switches to float64
+    # after two steps; the graph traced with float32 raises once, and the next backward learns
+    # again every tensor of that graph (not one raise per hooked tensor)
+    double = [False]
+
+    def run(compiled):
+        torch.manual_seed(0)
+        w = leaf(4, 3)
+        outcome = []
+        for step in range(6):
+            double[0] = step >= 2
+            x = torch.randn(4, 3)
+            with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: t.detach().clone(), lambda t: t.double() if double[0] else t
+            ):
+                loss = (x * w).exp().sin().sum()  # 3 hooked saved tensors
+            w.grad = None
+            try:
+                with ca.enable("aot_eager") if compiled else contextlib.nullcontext():
+                    loss.backward()
+                outcome.append(w.grad.clone())
+            except RuntimeError as e:
+                assert "the previous backward of this graph got" in str(e)
+                outcome.append("raised")
+        return outcome
+
+    want, got = run(False), run(True)
+    assert got.count("raised") == 1 and got[2] == "raised", got
+    for step, (g, w) in enumerate(zip(got, want)):
+        if not isinstance(g, str):
+            torch.testing.assert_close(g, w, msg=f"step {step}")

@@ -1090,3 +1090,18 @@ def test_a_hook_that_leaks_grad_mode_does_not_change_it_for_the_next_nodes(backe
     runs = observe(build, backend)
     assert runs[1][1] == [("a", False, False), ("x", False, False)]
     assert torch.is_grad_enabled()
+
+
+def test_grad_mode_a_hook_leaves_on_lasts_to_the_end_of_its_node():
+    # as in eager: the next hook of the same node sees it (the engine resets it per node)
+    def build(log, step):
+        x = leaf(4, 3)
+        y = x * 2.0
+        y.register_hook(lambda g: torch.set_grad_enabled(True) and None)  # MulBackward0's pre-hook
+        y.grad_fn.register_hook(lambda gi, go: log.append(("same node", torch.is_grad_enabled())))
+        x.register_hook(lambda g: log.append(("next node", torch.is_grad_enabled())))
+        return y.exp().sum(), [x]
+
+    runs = observe(build, "aot_eager")
+    assert runs[1][1] == [("same node", True), ("next node", False)]
+    torch.set_grad_enabled(True)

@@ -398,7 +398,7 @@ _MISSING = object()
 _STATE_READS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _collect_pynode(capture, idx: int, lift: _Lifter) -> tuple[tuple, PyNodeInfo]:
+def _collect_pynode(capture, idx: int, lift: _Lifter, keep_graph: bool) -> tuple[tuple, PyNodeInfo]:
     node = capture.node_object(idx)
     m, mnd, boxed, is_var = capture.pynode_flags(idx)
     flags = (m, mnd, boxed, tuple(is_var))
@@ -410,6 +410,9 @@ def _collect_pynode(capture, idx: int, lift: _Lifter) -> tuple[tuple, PyNodeInfo
     # reading saved_tensors runs eager's own checks (freed graph, version
     # counter) and saved-tensor unpack hooks
     saved = node.saved_tensors
+    # what their unpack hooks returned serves the rest of this backward: the node may yet run
+    # its own backward (opaque), or eager its own (a fallback)
+    capture.hand_over_saved(idx, list(saved), keep_graph)
     user = not _pure_module(getattr(cls, "__module__", "") or "")
     why, state = backward_state_key(cls)
     if why is not None:
@@ -491,7 +494,7 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
     pykeys = []
     pynodes = {}
     for idx in pynode_indices:
-        k, info = _collect_pynode(capture, idx, lift)
+        k, info = _collect_pynode(capture, idx, lift, keep_graph)
         pykeys.append((idx, k))
         pynodes[idx] = info
     grad_on_ctx = _grad_on_ctx(capture, pynodes)
@@ -655,12 +658,16 @@ class _Learned:
         if isinstance(t, torch.Tensor) and list(t.shape) == list(shape) and t.dtype == dtype and t.device == device:
             return
         self.mark_unpredictable(key)
+        with self.lock:  # the graph's other hooks may have changed too: the next backward learns again
+            for k in [k for k in self.metas if k[0] == key[0]]:
+                del self.metas[k]
         got = f"{tuple(t.shape)}/{t.dtype}/{t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise RuntimeError(
             f"compiled_autograd: the unpack hook of a saved tensor returned {got}, where the previous "
             f"backward of this graph got {tuple(shape)}/{dtype}/{device}; the graph, traced with that, "
             "unpacks it when its node runs, as eager does (NOTE [Unpack metadata learned from the last "
-            "backward]). From the next backward on this tensor is unpacked when the backward starts"
+            "backward]). From the next backward on this tensor is unpacked when the backward starts, and "
+            "the next one learns again what the graph's other hooks return"
         )
 
     def clear(self):

@@ -96,6 +96,7 @@ class _Replay(threading.local):
     def __init__(self):
         self.stack: list = []  # (capture, slots, autograd keys excluded, hooks, steal, keep) of the backwards running on this thread
         self.tasks: list = []  # the graph task id each of them runs its calls in
+        self.nodes: list = []  # the node of the last call each of them ran
 
 
 _replay = _Replay()
@@ -144,10 +145,12 @@ class replaying:
     def __enter__(self):
         _replay.stack.append(self.frame)
         _replay.tasks.append(self.task)
+        _replay.nodes.append(None)
 
     def __exit__(self, *exc):
         _replay.stack.pop()
         _replay.tasks.pop()
+        _replay.nodes.pop()
 
 
 # NOTE [Engine queries from hooks]
@@ -196,6 +199,13 @@ def _run_call(slot, args, sizes, ranks, dtypes, devices, flags) -> list[torch.Te
         watched, args = args[-n_watch:], args[:-n_watch]
     if n_after:  # only there to order the call (NOTE [Hooks may change what the graph reads])
         args = args[:-n_after]
+    if kind != UNPACK and _replay.nodes[-1] != node:
+        # the engine runs each node in the backward's own thread-local state: a hook that
+        # left grad mode changed (`torch.set_grad_enabled(True)` as a statement) changed it
+        # for the rest of its node only (an unpack hook there sees it)
+        _replay.nodes[-1] = node
+        if torch.is_grad_enabled() != capture.grad_mode:
+            torch._C._set_grad_enabled(capture.grad_mode)
     before = [args[i]._version if args[i] is not None else 0 for i in shared]
     if in_flags:
         # the last argument says which arguments are defined: an undefined grad
@@ -242,10 +252,6 @@ def _run_call(slot, args, sizes, ranks, dtypes, devices, flags) -> list[torch.Te
     finally:
         for k, excluded in undo:
             torch._C._dispatch_tls_set_dispatch_key_excluded(k, excluded)
-        # the engine runs each node in the backward's thread-local state: a hook that left
-        # grad mode changed (`torch.set_grad_enabled(True)` as a statement) changed it for its node
-        if torch.is_grad_enabled() != capture.grad_mode:
-            torch._C._set_grad_enabled(capture.grad_mode)
 
 
 def _check_ctx(snapshots) -> None:

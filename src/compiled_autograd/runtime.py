@@ -598,42 +598,40 @@ def _run_backward(
     try:
         capture = C.GraphCapture(list(roots), list(grads), list(inputs), accumulate_grad)
     except RuntimeError as e:  # misuse (freed graph, modified saved tensor): eager raises the same error
-        return _collection_error(cfg, e, eager, pause)
+        pause.resume()
+        return _fall_back(cfg, f"collection error: {str(e).splitlines()[0][:120]}", eager, user_error=True)
     try:
         return _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, accumulate_grad, pause)
     finally:
         capture.restore_saved_hooks()  # NOTE [Handing unpacked tensors to their saved variables] (native helper)
 
 
-def _collection_error(cfg: Config, e: RuntimeError, eager, pause: _GCPause):
-    pause.resume()
-    return _fall_back(cfg, f"collection error: {str(e).splitlines()[0][:120]}", eager, user_error=True)
-
-
 def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, accumulate_grad, pause):
+    # (the try decides only: an eager backward run inside it would run again, from the
+    # start, if it raised a RuntimeError -- its own, or a hook's)
+    reason, user_error, collected = None, False, None
     try:
         if capture.unsupported:
-            pause.resume()
-            return _fall_back(cfg, capture.unsupported, eager)
-        # create_graph=True with saved-tensor hooks runs in eager (_create_graph_unsupported),
-        # whose unpack hooks must not have run already
-        collected = collect(capture, run_unpack_hooks=not create_graph, keep_graph=keep_graph)
-        if collected is None:
-            capture.clear()
-            pause.resume()
-            return _fall_back(cfg, "create_graph=True with saved-tensor hooks", eager)
-        if isinstance(collected, Learn):
-            capture.learn_unpacks(sorted(collected.keys), collected.report)
-            capture.clear()
-            pause.resume()
-            return _learn_in_eager(collected, eager)
-    except RuntimeError as e:
-        return _collection_error(cfg, e, eager, pause)
+            reason = capture.unsupported
+        else:
+            # create_graph=True with saved-tensor hooks runs in eager (_create_graph_unsupported),
+            # whose unpack hooks must not have run already
+            collected = collect(capture, run_unpack_hooks=not create_graph, keep_graph=keep_graph)
+            if collected is None:
+                reason = "create_graph=True with saved-tensor hooks"
+            elif isinstance(collected, Learn):
+                capture.learn_unpacks(sorted(collected.keys), collected.report)
+    except RuntimeError as e:  # misuse (freed graph, modified saved tensor): eager raises the same error
+        reason, user_error = f"collection error: {str(e).splitlines()[0][:120]}", True
     except Unkeyable as e:
         # an unpack hook returned a tensor we cannot lift (a subclass, a sparse tensor)
+        reason = f"saved-tensor hook returned a {e}"
+    if reason is not None or isinstance(collected, Learn):
         capture.clear()
         pause.resume()
-        return _fall_back(cfg, f"saved-tensor hook returned a {e}", eager)
+        if reason is not None:
+            return _fall_back(cfg, reason, eager, user_error)
+        return _learn_in_eager(collected, eager)
 
     key = (cfg.backend_key, _global_state(), cfg.opaque, create_graph, collected.key)
     reason = _unsupported.get(key) if _unsupported else None

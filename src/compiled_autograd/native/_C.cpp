@@ -487,7 +487,17 @@ struct NameMember {
 };
 template struct NameMember<SavedVariableHooksMember, &torch::autograd::SavedVariable::hooks_>;
 
-struct GivenSavedHooks : torch::autograd::SavedVariableHooks {
+// The hooks we install; `alive` tells restore_saved_hooks whether they (and so the
+// saved variable that owns them) still exist: a node's release may destroy its
+// saved variables themselves (Foreach and index nodes clear their vectors).
+struct OurSavedHooks : torch::autograd::SavedVariableHooks {
+  ~OurSavedHooks() override {
+    *alive = false;
+  }
+  std::shared_ptr<bool> alive = std::make_shared<bool>(true);
+};
+
+struct GivenSavedHooks : OurSavedHooks {
   explicit GivenSavedHooks(at::Tensor t) : tensor(std::move(t)) {}
   void call_pack_hook(const at::Tensor&) override {
     TORCH_INTERNAL_ASSERT(false, "compiled_autograd: a handed-over saved tensor is never packed");
@@ -502,7 +512,7 @@ struct GivenSavedHooks : torch::autograd::SavedVariableHooks {
   at::Tensor tensor;
 };
 
-struct LearningSavedHooks : torch::autograd::SavedVariableHooks {
+struct LearningSavedHooks : OurSavedHooks {
   LearningSavedHooks(SavedHooksPtr original, py::object report, size_t i)
       : original(std::move(original)), report(std::move(report)), i(i) {}
   ~LearningSavedHooks() override {
@@ -730,11 +740,20 @@ class GraphCapture {
   // of hooked tensor `i` (take_saved_hooks' order) returns `t` when unpacked;
   // `keep`: the user's hooks are put back by restore_saved_hooks.
   void hand_over(size_t i, at::Tensor t, bool keep) {
-    SavedHooksPtr given = std::make_unique<GivenSavedHooks>(std::move(t));
-    auto* installed = given.get();
-    auto original = swap_hooks(i, std::move(given));
-    if (keep) {
-      swapped_.push_back(Swapped{hooked_svs_[i], installed, std::move(original)});
+    hand_over_to(hooked_svs_.at(i), std::move(t), keep);
+  }
+
+  // hand_over for a custom Function's saved tensors (node idx), as its `saved_tensors`
+  // returned them: those with hooks are handed to their saved variables.
+  void hand_over_saved(size_t idx, const std::vector<std::optional<at::Tensor>>& tensors, bool keep) {
+    auto obj = node_object(idx);
+    TORCH_CHECK(THPFunction_Check(obj.ptr()), "not a custom Function node");
+    auto& saved = reinterpret_cast<THPFunction*>(obj.ptr())->saved_variables;
+    TORCH_CHECK(saved.size() == tensors.size(), "saved tensor count mismatch");
+    for (size_t j = 0; j < saved.size(); ++j) {
+      if (saved[j].has_hooks() && tensors[j].has_value()) {
+        hand_over_to(&saved[j], *tensors[j], keep);
+      }
     }
   }
 
@@ -744,8 +763,8 @@ class GraphCapture {
     for (size_t i : idxs) {
       auto learning = std::make_unique<LearningSavedHooks>(nullptr, report, i);
       auto* installed = learning.get();
-      installed->original = swap_hooks(i, std::move(learning));
-      swapped_.push_back(Swapped{hooked_svs_[i], installed, nullptr});
+      installed->original = swap_hooks(hooked_svs_.at(i), std::move(learning));
+      swapped_.push_back(Swapped{hooked_svs_[i], installed, installed->alive, nullptr});
     }
   }
 
@@ -754,6 +773,9 @@ class GraphCapture {
   void restore_saved_hooks() {
     auto member = saved_hooks_member(SavedVariableHooksMember{});
     for (auto& h : swapped_) {
+      if (!*h.alive) { // released with its saved variable
+        continue;
+      }
       auto& hooks = h.sv->*member;
       if (hooks.get() != h.installed) {
         continue;
@@ -1497,16 +1519,26 @@ class GraphCapture {
   bool filtered_ = false; // `inputs=` given: only the nodes leading to them run
   // NOTE [Handing unpacked tensors to their saved variables]
   struct Swapped {
-    torch::autograd::SavedVariable* sv;
-    torch::autograd::SavedVariableHooks* installed;
+    torch::autograd::SavedVariable* sv; // valid while `installed` is alive (sv owns it)
+    OurSavedHooks* installed;
+    std::shared_ptr<bool> alive; // installed's
     SavedHooksPtr original; // (learn_unpacks': held by the installed hooks)
   };
   std::vector<torch::autograd::SavedVariable*> hooked_svs_; // take_saved_hooks' order
   std::vector<Swapped> swapped_;
   std::vector<c10::intrusive_ptr<Node>> swap_keepalive_; // the nodes holding those saved variables
 
-  SavedHooksPtr swap_hooks(size_t i, SavedHooksPtr hooks) {
-    auto* sv = hooked_svs_.at(i);
+  void hand_over_to(torch::autograd::SavedVariable* sv, at::Tensor t, bool keep) {
+    auto given = std::make_unique<GivenSavedHooks>(std::move(t));
+    auto* installed = given.get();
+    auto alive = installed->alive;
+    auto original = swap_hooks(sv, std::move(given));
+    if (keep) {
+      swapped_.push_back(Swapped{sv, installed, std::move(alive), std::move(original)});
+    }
+  }
+
+  SavedHooksPtr swap_hooks(torch::autograd::SavedVariable* sv, SavedHooksPtr hooks) {
     TORCH_CHECK(sv != nullptr && sv->has_hooks(), "compiled_autograd: no hooked saved variable to swap");
     if (swap_keepalive_.empty()) {
       for (auto& r : nodes_) {
@@ -1587,6 +1619,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("input_metadata", &GraphCapture::input_metadata)
       .def("take_saved_hooks", &GraphCapture::take_saved_hooks)
       .def("hand_over", &GraphCapture::hand_over)
+      .def("hand_over_saved", &GraphCapture::hand_over_saved)
       .def("learn_unpacks", &GraphCapture::learn_unpacks)
       .def("restore_saved_hooks", &GraphCapture::restore_saved_hooks)
       .def("pynode_flags", &GraphCapture::pynode_flags)
