@@ -526,23 +526,26 @@ def _sparse_w_stash():
     return stash, calls, pack, unpack
 
 
+def _popped_once(seed, compiled, make_hooks, **options):
+    """x @ w, tanh, under popping hooks (`make_hooks()`: stash, calls, pack, unpack): each of the
+    3 saved tensors unpacked once, as in eager; the grads."""
+    torch.manual_seed(seed)
+    x, w = leaf(4, 3), leaf(3, 3)
+    stash, calls, pack, unpack = make_hooks()
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        loss = (x @ w).tanh().sum()
+    with ca.enable("aot_eager", **options) if compiled else contextlib.nullcontext():
+        loss.backward()
+    assert sorted(calls) == [0, 1, 2] and not stash
+    return [x.grad, w.grad]
+
+
 def test_a_fallback_after_unpacking_up_front_does_not_unpack_again():
     # NOTE [Handing unpacked tensors to their saved variables]: the sparse tensor is unpacked
     # when the backward starts, and the fallback's engine would run its popping hook a second
     # time (KeyError); it gets the tensor already unpacked, the other hooks run once as in eager
-    def run(seed, compiled):
-        torch.manual_seed(seed)
-        x, w = leaf(4, 3), leaf(3, 3)
-        stash, calls, pack, unpack = _sparse_w_stash()
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            loss = (x @ w).tanh().sum()
-        with ca.enable("aot_eager") if compiled else contextlib.nullcontext():
-            loss.backward()
-        assert sorted(calls) == [0, 1, 2] and not stash
-        return [x.grad, w.grad]
-
     for seed in range(3):
-        assert_grads_equal(run(seed, True), run(seed, False), what=f"seed {seed}")
+        assert_grads_equal(_popped_once(seed, True, _sparse_w_stash), _popped_once(seed, False, _sparse_w_stash), what=f"seed {seed}")
     s = ca.stats()
     assert (s.learning_backwards, s.eager_fallbacks) == (1, 2), s
 
@@ -550,20 +553,14 @@ def test_a_fallback_after_unpacking_up_front_does_not_unpack_again():
 def test_an_opaque_node_with_a_popping_hook_runs_it_once():
     # the first backward learns in eager (each hook once, at its node); then the opaque
     # TanhBackward0 runs its own apply, which unpacks its saved result itself
-    def run(seed, compiled):
-        torch.manual_seed(seed)
-        x, w = leaf(4, 3), leaf(3, 3)
+    def hooks():
         stash, pack, pop = _stash_hooks()
         calls = []
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda k: calls.append(k) or pop(k)):
-            loss = (x @ w).tanh().sum()
-        with ca.enable("aot_eager", opaque=("TanhBackward0",)) if compiled else contextlib.nullcontext():
-            loss.backward()
-        assert sorted(calls) == [0, 1, 2] and not stash
-        return [x.grad, w.grad]
+        return stash, calls, pack, lambda k: calls.append(k) or pop(k)
 
     for seed in range(3):
-        assert_grads_equal(run(seed, True), run(seed, False), what=f"seed {seed}")
+        got = _popped_once(seed, True, hooks, opaque=("TanhBackward0",))
+        assert_grads_equal(got, _popped_once(seed, False, hooks), what=f"seed {seed}")
     s = ca.stats()
     assert (s.learning_backwards, s.captures, s.hits, s.eager_fallbacks, s.opaque_nodes) == (1, 1, 1, 0, 2), s
 
