@@ -840,22 +840,29 @@ def test_an_error_in_the_learning_backward_is_the_users_and_runs_nothing_twice(r
     (n_eager, g_eager), (n_ours, g_ours) = run(False), run(True)
     assert n_ours == n_eager
     torch.testing.assert_close(g_ours, g_eager, rtol=0, atol=0)
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (0, 0, 0), s
 
 
 def test_a_learning_backward_through_nodes_that_free_their_saved_variables():
     # a Foreach node's release destroys its saved variables themselves (it clears their vector):
     # putting back hooks there read freed memory (a segfault once the vector was large)
-    def run(compiled):
-        torch.manual_seed(0)
-        xs, ys = [leaf(2) for _ in range(3000)], [leaf(2) for _ in range(3000)]
+    def run(compiled, seed, n=40):
+        torch.manual_seed(seed)
+        xs, ys = [leaf(2) for _ in range(n)], [leaf(2) for _ in range(n)]
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t * 1, lambda t: t + 0):
             loss = torch.stack(torch._foreach_mul(xs, ys)).sum()
         with ca.enable("aot_eager") if compiled else contextlib.nullcontext():
             loss.backward()
         return [torch.stack([x.grad for x in xs])]
 
-    assert_grads_equal(run(True), run(False))
-    assert ca.stats().learning_backwards == 1
+    # 3000: a vector large enough to be unmapped when freed (the learning backward only: a
+    # capture of 6000 unpack calls takes minutes)
+    assert_grads_equal(run(True, 0, n=3000), run(False, 0, n=3000))
+    for seed in range(3):  # a smaller graph: learns in eager, then a capture, then a hit
+        assert_grads_equal(run(True, seed), run(False, seed), what=f"seed {seed}")
+    s = ca.stats()
+    assert (s.learning_backwards, s.captures, s.hits, s.eager_fallbacks) == (2, 1, 1, 0), s
 
 
 def test_an_opaque_custom_function_with_a_popping_hook_unpacks_once():
@@ -893,6 +900,8 @@ def test_an_opaque_custom_function_with_a_popping_hook_unpacks_once():
             assert g == w, (i, g, w)
         else:
             torch.testing.assert_close(g, w)
+    s = ca.stats()  # (the checkpoint's inner backward is compiled too: one more graph)
+    assert s.eager_fallbacks == 0 and s.learning_backwards >= 1 and s.hits >= 1, s
 
 
 def test_a_hook_whose_result_changes_raises_once():
@@ -924,6 +933,8 @@ def test_a_hook_whose_result_changes_raises_once():
 
     want, got = run(False), run(True)
     assert got.count("raised") == 1 and got[2] == "raised", got
+    s = ca.stats()  # learn, capture, raise (a hit); learn again, capture, hit
+    assert (s.learning_backwards, s.captures, s.hits, s.eager_fallbacks) == (2, 2, 2, 0), s
     for step, (g, w) in enumerate(zip(got, want)):
         if not isinstance(g, str):
             torch.testing.assert_close(g, w, msg=f"step {step}")

@@ -622,7 +622,7 @@ class _Learned:
     """NOTE [Unpack metadata learned from the last backward]: (shape, dtype, device) of
     what an unpack hook returned, by (graph's native key and sizes, position, hook code)."""
 
-    LIMIT = 4096
+    LIMIT = 1 << 17  # entries (one per hooked tensor): a graph with more than this is never compiled
 
     def __init__(self):
         self.metas: dict = {}
