@@ -144,6 +144,22 @@ def _transformer(quick: bool, checkpointed: bool = False) -> Workload:
     )
 
 
+def _compiled(name: str, quick: bool) -> Workload:
+    """A workload whose forward is torch.compile'd (inductor, `Module.compile()`): the whole
+    MLP as one region, or each transformer layer as its own region (as a model compiled per
+    block is). Its eager backward is AOTAutograd's compiled backward of each region with eager
+    autograd between them; compiled autograd inlines each region's backward into one graph."""
+    wl = _mlp(1024, quick) if name == "compiled_mlp1024" else _transformer(quick)
+    if name == "compiled_mlp1024":
+        wl.modules[0].compile()
+        wl.description += "; the forward torch.compile'd (inductor) as one region"
+    else:
+        for layer in wl.modules[0].layers:
+            layer.compile()
+        wl.description += "; each layer torch.compile'd (inductor): one region per layer"
+    return wl
+
+
 def _cnn(quick: bool) -> Workload:
     blocks, ch = (4, 32) if not quick else (2, 8)
     shape = (16, 3, 64, 64) if not quick else (2, 3, 16, 16)
@@ -260,7 +276,7 @@ def _stream(quick: bool) -> Stream:
 
 WORKLOADS = [
     "mlp256", "mlp1024", "transformer", "cnn", "chain", "stream", "checkpointed", "gradient_penalty", "hooked",
-    "module_hooked", "offloaded",
+    "module_hooked", "offloaded", "compiled_mlp1024", "compiled_transformer",
 ]
 
 
@@ -294,6 +310,8 @@ def _build(name: str, quick: bool):
         return _offloaded(quick)
     if name == "stream":
         return _stream(quick)
+    if name in ("compiled_mlp1024", "compiled_transformer"):
+        return _compiled(name, quick)
     raise ValueError(f"unknown workload {name!r} (known: {', '.join(WORKLOADS)})")
 
 

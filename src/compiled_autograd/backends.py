@@ -37,11 +37,50 @@ _lock = threading.RLock()
 # function". So every fx trace in the process (`Tracer.trace`, which the
 # tracers' own `trace` methods call) holds one reentrant lock: a trace in one
 # thread waits for the other's to end (a trace, not a whole compile).
+#
+# The lock does not stop the user's thread from running its next forward while
+# a background compile traces: there, a torch.compile'd module raised that same
+# error (the flag is set) and every module call ran through the other thread's
+# tracer (the patched `__call__`). So both are confined to the tracing thread:
+# the patches fx makes call the original in any other thread, and fx's "is a
+# trace running" functions answer for the calling thread (their code is
+# replaced in place: dynamo binds `is_fx_symbolic_tracing` when it wraps a
+# function, possibly before this module was imported).
 _trace_lock = threading.RLock()
+_fx_traces = threading.local()  # .depth: fx traces running in this thread
+
+
+def _tracing_here() -> bool:
+    return getattr(_fx_traces, "depth", 0) > 0
+
+
+def _confined(new_fn, original):
+    owner = threading.get_ident()
+
+    @functools.wraps(new_fn)
+    def confined(*args, **kwargs):
+        if threading.get_ident() == owner:
+            return new_fn(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    return confined
+
+
+_FLAG_FUNCTIONS = """
+def is_fx_tracing():
+    is_fx_tracing_warning()
+    return _is_fx_tracing_flag and _compiled_autograd_tracing_here()
+
+def is_fx_symbolic_tracing():
+    return _is_fx_tracing_flag and _compiled_autograd_tracing_here() and not torch.compiler.is_compiling()
+"""
 
 
 def _serialize_fx_traces() -> None:
-    from torch.fx._symbolic_trace import Tracer
+    import builtins
+
+    import torch.fx._symbolic_trace as fx_trace
+    from torch.fx._symbolic_trace import Tracer, _Patcher
 
     original = Tracer.trace
     if getattr(original, "_compiled_autograd", False):
@@ -50,8 +89,32 @@ def _serialize_fx_traces() -> None:
     @functools.wraps(original)
     def trace(self, *args, **kwargs):
         with _trace_lock:
-            return original(self, *args, **kwargs)
+            _fx_traces.depth = getattr(_fx_traces, "depth", 0) + 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                _fx_traces.depth -= 1
 
+    patch, patch_method = _Patcher.patch, _Patcher.patch_method
+
+    def confined_patch(self, frame_dict, name, new_fn, deduplicate=True):
+        current = frame_dict[name] if name in frame_dict else getattr(builtins, name, None)
+        if current is None or getattr(current, "_Patcher__fx_already_patched", False):
+            return patch(self, frame_dict, name, new_fn, deduplicate)
+        return patch(self, frame_dict, name, _confined(new_fn, current), deduplicate)
+
+    def confined_patch_method(self, cls, name, new_fn, deduplicate=True):
+        current = getattr(cls, name)
+        if getattr(current, "_Patcher__fx_already_patched", False):
+            return patch_method(self, cls, name, new_fn, deduplicate)
+        return patch_method(self, cls, name, _confined(new_fn, current), deduplicate)
+
+    fx_trace._compiled_autograd_tracing_here = _tracing_here
+    replacements: dict = {}
+    exec(_FLAG_FUNCTIONS, vars(fx_trace), replacements)
+    for name, fn in replacements.items():
+        getattr(fx_trace, name).__code__ = fn.__code__
+    _Patcher.patch, _Patcher.patch_method = confined_patch, confined_patch_method
     trace._compiled_autograd = True
     Tracer.trace = trace
 

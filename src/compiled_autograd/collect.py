@@ -64,6 +64,7 @@ from typing import Any
 
 import torch
 
+from . import aot
 from .graph_task import in_graph_task
 
 PYNODE_KIND = 2
@@ -80,6 +81,8 @@ class PyNodeInfo:
     saved: tuple  # lifted index of each saved tensor
     attrs: tuple  # (name, structure): ctx attributes holding tensors, with lifted indices
     opaque_reason: str | None = None
+    symints: tuple | None = None  # an inlined AOTAutograd backward's ctx.symints (NOTE [Inlining AOTAutograd backwards])
+    aot_start: int = 0  # where its ints sit among the Collected's `aot` sizes
 
 
 @dataclass
@@ -101,10 +104,17 @@ class Collected:
     in_graph: tuple = ()  # (hooked tensor id, dtype, device, dim) of those unpacked in the graph
     grad_on_ctx: bool = False  # a leaf's .grad, accumulated into by this backward, is kept on ctx
 
+    n_aot: int = 0  # ints saved by torch.compile'd regions for their inlined backwards, in `sizes` before those shapes
+
     @property
     def in_graph_start(self) -> int:
         """Where the shapes of the tensors unpacked in the graph start in `sizes` (they end it)."""
         return len(self.sizes) - sum(dim for _, _, _, dim in self.in_graph)
+
+    @property
+    def aot_start(self) -> int:
+        """Where the ints of the inlined AOTAutograd backwards start in `sizes`."""
+        return self.in_graph_start - self.n_aot
 
     @property
     def up_front(self) -> list:
@@ -405,8 +415,17 @@ def _collect_pynode(capture, idx: int, lift: _Lifter, keep_graph: bool) -> tuple
     cls = node._forward_cls
     info = PyNodeInfo(flags=flags, saved=(), attrs=())
     if flags[2]:
-        info.opaque_reason = "boxed_grads_call Function"
-        return ("py", cls, "opaque", info.opaque_reason), info
+        # AOTAutograd's CompiledFunction is the one boxed Function we trace (NOTE [Inlining
+        # AOTAutograd backwards], aot.py); any other runs as is
+        why = aot.inline_reason(cls, node) if aot.is_compiled_function(cls) else "boxed_grads_call Function"
+        if why is not None:
+            info.opaque_reason = why
+            return ("py", cls, "opaque", why), info
+        saved = list(node.saved_tensors)
+        capture.hand_over_saved(idx, saved, keep_graph)
+        info.saved = tuple(lift(t) if t is not None else -1 for t in aot.saved_tensors(node, saved))
+        info.symints = tuple(node.symints)
+        return ("py", cls, flags, tuple(node.needs_input_grad), info.saved, aot.key(info.symints)), info
     # reading saved_tensors runs eager's own checks (freed graph, version
     # counter) and saved-tensor unpack hooks
     saved = node.saved_tensors
@@ -499,7 +518,12 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
         pynodes[idx] = info
     grad_on_ctx = _grad_on_ctx(capture, pynodes)
     key = (capture.key(), tuple(pykeys), tuple(unpacked), tuple(in_graph), tuple(lift.extra_keys), grad_on_ctx)
-    sizes = tuple(capture.sizes()) + tuple(d for t in lifted[n_native:] for d in geometry(t)) + tuple(shapes)
+    aot_ints: list = []  # sizes, as a dynamic capture may make them symbolic
+    for info in pynodes.values():
+        if info.symints is not None:
+            info.aot_start = len(aot_ints)
+            aot_ints += [s for s in info.symints if type(s) is int]
+    sizes = tuple(capture.sizes()) + tuple(d for t in lifted[n_native:] for d in geometry(t)) + tuple(aot_ints) + tuple(shapes)
     return Collected(
         capture=capture,
         key=key,
@@ -512,6 +536,7 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
         hooks=hooks if in_graph else [],
         in_graph=tuple(in_graph),
         grad_on_ctx=grad_on_ctx,
+        n_aot=len(aot_ints),
     )
 
 

@@ -481,6 +481,9 @@ def _describe_dynamic(collected, dynamic) -> list[str]:
         if i >= collected.in_graph_start:
             out.append(in_graph[i - collected.in_graph_start])
             continue
+        if i >= collected.aot_start:
+            out.append(f"torch.compile'd region's saved int #{i - collected.aot_start}")
+            continue
         if i < collected.n_size_inputs:
             owner = max((s for s in starts if s[0] <= i), default=(0, "?"), key=lambda s: s[0])[1]
             out.append(f"{owner} size#{i}")

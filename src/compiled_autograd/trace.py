@@ -53,7 +53,7 @@ from torch.fx.experimental.symbolic_shapes import (
     StatelessSymbolicContext,
 )
 
-from . import ops
+from . import aot, ops
 from .collect import PYNODE_KIND, Collected, _tensors
 
 ACCUMULATE_KIND = 1
@@ -190,15 +190,6 @@ def _meta(t):
     return (list(t.shape), t.dtype, str(t.device))
 
 
-def _is_aot_compiled_function(cls) -> bool:
-    """AOTAutograd's CompiledFunction (torch._functorch._aot_autograd.runtime_wrappers)."""
-    return (
-        getattr(cls, "__module__", None) == "torch._functorch._aot_autograd.runtime_wrappers"
-        and cls.__name__ == "CompiledFunction"
-        and hasattr(cls, "_lazy_backward_info")
-    )
-
-
 class _BackwardTracer:
     def __init__(self, collected: Collected, opaque_extra: dict[int, str], size_inputs=()):
         self.c = collected
@@ -229,7 +220,7 @@ class _BackwardTracer:
         backward AOTAutograd compiled for a torch.compile'd forward (a compiled graph of aten
         ops between its prologue and epilogue)."""
         if idx in self.c.pynodes:
-            return not _is_aot_compiled_function(self.capture.node_object(idx)._forward_cls)
+            return not aot.is_compiled_function(self.capture.node_object(idx)._forward_cls)
         return bool(self.nodes[idx][3])
 
     def opaque_reason(self, idx) -> str:
@@ -338,12 +329,16 @@ class _BackwardTracer:
         n = len(c.lifted)
         sym = [None] * c.n_size_inputs
         dims = list(c.sizes[c.in_graph_start :])  # shapes of the tensors unpacked in the graph
+        aot_ints = list(c.sizes[c.aot_start : c.in_graph_start])  # NOTE [Inlining AOTAutograd backwards]
         for j, s in zip(self.size_inputs, args[n:]):
             if j < c.n_size_inputs:
                 sym[j] = s
-            else:
+            elif j >= c.in_graph_start:
                 dims[j - c.in_graph_start] = s
+            else:
+                aot_ints[j - c.aot_start] = s
         self.sym_sizes = sym
+        self.aot_ints = aot_ints
         self.in_graph_metas = {}
         self.node_inputs: list = []  # the grads entering the node being traced
         self.unconsumed: list = []  # graph results (grads for AccumulateGrad or grad()) since the last unpack call
@@ -523,6 +518,31 @@ class _BackwardTracer:
             if g is None and materialize and (m is not None or materialize_non_diff):
                 g = torch.zeros(dims, dtype=dtype, device=device)
             inputs.append(g)
+        if info.flags[2]:
+            out = self._aot_backward(idx, node, inputs, args)
+        else:
+            out = self._python_backward(idx, node, info, inputs, args)
+        if not isinstance(out, tuple):
+            out = (out,)
+        return self._pynode_results(idx, out, is_variable_input)
+
+    def _aot_backward(self, idx, node, grads, args):
+        """NOTE [Inlining AOTAutograd backwards] (aot.py)."""
+        if torch.is_grad_enabled():
+            raise NeedsOpaque(idx, "a torch.compile'd region's backward under create_graph (AOTAutograd has no double backward)")
+        info = self.c.pynodes[idx]
+        saved = [args[i] if i >= 0 else None for i in info.saved]
+        symints = aot.rebuild_symints(info.symints, self.aot_ints[info.aot_start :])
+        try:
+            _tracing.active = True
+            try:
+                return aot.trace_backward(node._forward_cls, symints, saved, grads)
+            finally:
+                _tracing.active = False
+        except Exception as e:
+            raise NeedsOpaque(idx, f"a torch.compile'd region's backward not traceable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+
+    def _python_backward(self, idx, node, info, inputs, args):
         capture_swap = None
         originals = {}
         try:
@@ -555,8 +575,10 @@ class _BackwardTracer:
                 setattr(node, name, value)
             if capture_swap is not None:
                 capture_swap.restore()
-        if not isinstance(out, tuple):
-            out = (out,)
+        return out
+
+    def _pynode_results(self, idx, out, is_variable_input):
+        capture = self.capture
         n_forward = len(is_variable_input)
         if len(out) > n_forward and all(o is None for o in out[n_forward:]):
             out = out[:n_forward]
@@ -671,12 +693,18 @@ def _size_classes(collected: Collected, mask, history) -> dict[str, Any]:
         if with_strides:
             names += [TensorPropertySource(base, TensorProperty.STRIDE, d).name for d in range(dim)]
         names.append(TensorPropertySource(base, TensorProperty.STORAGE_OFFSET).name)
+    names += [source.name for source in _aot_sources(collected)]
     names += [source.name for source in _in_graph_sources(collected)]
     assert len(names) == len(sizes), (len(names), len(sizes))
     history = [h for h in history if len(h) == len(sizes)]
     return {
         name: ((sizes[p],) + tuple(h[p] for h in history) if mask[p] else None) for p, name in enumerate(names)
     }
+
+
+def _aot_sources(collected: Collected) -> list:
+    """A source per int an inlined AOTAutograd backward reads (NOTE [Inlining AOTAutograd backwards])."""
+    return [LocalSource(f"aot{k}") for k in range(collected.n_aot)]
 
 
 def _in_graph_sources(collected: Collected) -> list:
@@ -711,6 +739,7 @@ def fake_inputs(collected: Collected, mask, history=()):
         fakes.append(f)
     # the node sizes, and the shapes of the tensors unpacked in the graph: ints passed in
     sources = [(j, LocalSource(f"size{j}")) for j in range(n_si)]
+    sources += [(collected.aot_start + k, source) for k, source in enumerate(_aot_sources(collected))]
     sources += [(collected.in_graph_start + k, source) for k, source in enumerate(_in_graph_sources(collected))]
     symints, size_inputs = [], []
     for j, source in sources:

@@ -1,0 +1,140 @@
+"""The backward of a torch.compile'd forward, inlined into the backward graph.
+
+NOTE [Inlining AOTAutograd backwards]
+A torch.compile'd forward records one autograd node, AOTAutograd's CompiledFunction, whose
+backward is the joint graph's backward half (`bw_module`, aten ops) between a prologue
+(checks, the tangents coerced to the memory format the forward traced them with, the
+arguments in `bw_module`'s order: symints, saved tensors, opaque objects, tangents) and an
+epilogue (effect tokens and RNG offsets dropped, subclasses rewrapped). Run as it is, that
+backward is one opaque call per compiled region: a boxed list of grads in, a separately
+compiled kernel set out, nothing fused across its edges and every grad it feeds copied out of
+our graph's buffers. Torch's built-in compiled autograd copies `bw_module` into its graph
+(`proxy_call_aot_backward`); we trace prologue, `bw_module` and epilogue on the fakes like
+any custom Function's backward, so all three become aten ops of our graph.
+
+What the trace bakes in and the key holds: the Function class (its metadata, its
+`bw_module`: one per compiled region) and the integers the forward saved for the backward
+(`ctx.symints`, concrete on every run; a region compiled with dynamic shapes gives a new key
+per size until our own dynamic sizes cover them). The prologue's checks on the run's state
+(deterministic algorithms, functorch transforms) are taken at capture time: the key holds the
+deterministic flag, and a transform raises in eager code before any backward runs.
+
+Not inlined (the node runs opaquely, counted with the reason): a region with tensor
+subclasses, effect tokens, functionalized RNG, opaque objects or a BackwardState (dynamo's
+compiled-autograd hooks), input mutations in its backward, ops that read or write a tensor's
+strides (`as_strided*`: their meaning depends on layouts our graph's compiler may choose
+differently from the forward's), or a `bw_module` AOTAutograd no longer has; a backward that
+builds a graph (create_graph: AOTAutograd refuses double backward itself).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+def is_compiled_function(cls) -> bool:
+    """AOTAutograd's CompiledFunction (torch._functorch._aot_autograd.runtime_wrappers)."""
+    return (
+        getattr(cls, "__module__", None) == "torch._functorch._aot_autograd.runtime_wrappers"
+        and cls.__name__ == "CompiledFunction"
+        and hasattr(cls, "_lazy_backward_info")
+    )
+
+
+def _bw_module(cls):
+    module = cls.__dict__.get("_compiled_autograd_bw_module")
+    if module is None:
+        from torch._dynamo.compiled_autograd import extract_bw_module
+
+        module = extract_bw_module(cls)
+        cls._compiled_autograd_bw_module = module
+    return module
+
+
+def _graph_reason(module) -> str | None:
+    for n in module.graph.nodes:
+        if n.op in ("call_module", "get_attr"):
+            return f"its backward graph has a {n.op} node ({n.target})"
+        if n.op != "call_function":
+            continue
+        name = str(getattr(n.target, "__name__", n.target))
+        if "as_strided" in name:
+            return f"its backward graph has {name}"
+        schema = getattr(n.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            return f"its backward graph mutates ({name})"
+    return None
+
+
+_REASONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> why its backward is not inlined, or None
+
+
+def inline_reason(cls, node) -> str | None:
+    """Why this CompiledFunction's backward runs opaquely, or None when it is inlined."""
+    if getattr(node, "opaque_objects", None):
+        return "a torch.compile'd region that saved opaque objects"
+    if getattr(node, "_compiled_autograd_backward_state", None) is not None:
+        return "a torch.compile'd region with a BackwardState"
+    if not all(type(s) in (int, float, bool) for s in getattr(node, "symints", ())):
+        return "a torch.compile'd region that saved something other than ints and floats for its backward"
+    if cls in _REASONS:
+        return _REASONS[cls]
+    why = None
+    md = cls.metadata
+    if cls.maybe_subclass_metadata is not None:
+        why = "a torch.compile'd region with tensor subclasses"
+    elif md.num_backward_tokens or md.is_rng_op_functionalized:
+        why = "a torch.compile'd region with effect tokens or functionalized RNG"
+    elif md.indices_of_inputs_that_requires_grad_with_mutations_in_bw:
+        why = "a torch.compile'd region whose backward mutates its inputs"
+    else:
+        try:
+            module = _bw_module(cls)
+        except Exception as e:
+            why = f"a torch.compile'd region whose backward graph is not available ({type(e).__name__})"
+        else:
+            graph_why = _graph_reason(module)
+            if graph_why is not None:
+                why = f"a torch.compile'd region: {graph_why}"
+    _REASONS[cls] = why
+    return why
+
+
+def saved_tensors(node, checked: list) -> list:
+    """What the compiled backward reads as its saved tensors, in `bw_module`'s order
+    (AOTAutograd's `_codegen_compiled_backward`): `checked` (`ctx.saved_tensors`, read with
+    their version check), then those saved without one."""
+    return [*checked, *getattr(node, "_tensors_no_vc_check", ())]
+
+
+def key(symints: tuple) -> tuple:
+    """The ints among `ctx.symints` are sizes of the backward (a dynamic capture may make them
+    symbolic); anything else is a constant of the key."""
+    return ("aot", tuple(None if type(s) is int else (type(s), s) for s in symints), torch.are_deterministic_algorithms_enabled())
+
+
+def rebuild_symints(symints: tuple, ints: list) -> list:
+    """`symints` with its ints replaced by `ints` (the trace's, symbolic where dynamic)."""
+    it = iter(ints)
+    return [next(it) if type(s) is int else s for s in symints]
+
+
+class _ReshapeViews(torch.fx.Interpreter):
+    """`bw_module` with its views as reshapes: AOTAutograd applied inductor's view-to-reshape
+    pass to the forward it compiled, so a tangent may not be viewable where its view was
+    traced (torch's compiled autograd does the same, `proxy_call_aot_backward`)."""
+
+    def call_function(self, target, args, kwargs):
+        if target is torch.ops.aten.view.default:
+            target = torch.ops.aten.reshape.default
+        return super().call_function(target, args, kwargs)
+
+
+def trace_backward(cls, symints: list, saved: list, grads: list) -> tuple:
+    """Prologue, `bw_module` and epilogue on the tracer's fakes (aten ops in its graph)."""
+    all_args = cls._bw_prologue_fn(saved, symints, [], list(grads))
+    # the joint trace made every dtype explicit; AOTAutograd runs it with autocast off
+    with torch._C._DisableAutocast():
+        out = _ReshapeViews(_bw_module(cls)).run(*all_args)
+    return tuple(cls._bw_epilogue_fn(out))

@@ -1,0 +1,157 @@
+"""torch.compile'd forwards: their AOTAutograd backwards inlined into our graph.
+
+NOTE [Inlining AOTAutograd backwards] (aot.py). Each test compares with eager autograd on two
+different inputs through one cache entry (helpers.parity), eager first: eager's backward
+compiles the region's backward itself before ours traces it.
+"""
+
+import pytest
+import torch
+
+import compiled_autograd as ca
+from helpers import assert_grads_equal, grads_of, parity
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 4)
+    )
+
+
+def _inlined_ops(entry) -> set:
+    return {str(n.target) for n in entry.graph.graph.nodes if n.op == "call_function"}
+
+
+def test_a_compiled_regions_backward_runs_inside_the_graph():
+    model = _mlp()
+    compiled = torch.compile(model, backend="aot_eager")
+    parity(lambda x: compiled(x).pow(2).sum(), model.parameters(), lambda s: (torch.randn(5, 8),), backend="aot_eager")
+    s = ca.stats()
+    assert s.opaque_nodes == 0, s.opaque_reasons
+    (entry,) = ca.graphs()
+    assert not entry.plan.slots  # no opaque call: the region's aten ops are ours
+    assert len(entry.plan.accumulate) == len(list(model.parameters()))  # after the graph, as without hooks
+    assert "aten.mm.default" in _inlined_ops(entry)
+
+
+def test_regions_between_eager_ops_and_custom_functions():
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x * w
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g * w, (g * x).sum(0)
+
+    torch.manual_seed(0)
+    w1 = torch.randn(6, 6, requires_grad=True)
+    w2 = torch.randn(6, requires_grad=True)
+    w3 = torch.randn(6, 3, requires_grad=True)
+    first = torch.compile(lambda x: torch.tanh(x @ w1), backend="aot_eager")
+    second = torch.compile(lambda h: (h @ w3).softmax(-1), backend="aot_eager")
+
+    def loss(x):
+        h = first(x.exp())  # an eager op, then a region
+        h = Scale.apply(h, w2)  # a custom Function between two regions
+        return second(h * 2).log().sum()
+
+    parity(loss, [w1, w2, w3], lambda s: (torch.randn(4, 6),), backend="aot_eager")
+    assert ca.stats().opaque_nodes == 0, ca.stats().opaque_reasons
+
+
+def test_a_dynamic_region_compiles_once_for_new_batch_sizes():
+    # a region compiled with dynamic shapes saves its batch size for the backward (ctx.symints):
+    # one of our sizes, which a dynamic capture makes symbolic
+    model = _mlp()
+    model.eval()
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+    params = list(model.parameters())
+    for b in (5, 7, 9, 11):
+        x = torch.randn(b, 8)
+        runs = []
+        for ours in (False, True):
+            for p in params:
+                p.grad = None
+            loss = compiled(x).pow(2).sum()
+            if ours:
+                with ca.enable("aot_eager"):
+                    loss.backward()
+            else:
+                loss.backward()
+            runs.append(grads_of(params))
+        assert_grads_equal(runs[1], runs[0], what=f"batch {b}")
+    s = ca.stats()
+    assert (s.captures, s.dynamic_captures, s.hits, s.opaque_nodes) == (2, 1, 2, 0), s
+
+
+def test_create_graph_runs_a_region_as_is():
+    # AOTAutograd has no double backward: under create_graph its backward runs as is, and a
+    # create_graph backward with an opaque node runs in eager autograd
+    torch.manual_seed(0)
+    w = torch.randn(5, 5, requires_grad=True)
+    region = torch.compile(lambda x: (x @ w).sin(), backend="aot_eager")
+    for step in range(2):
+        x = torch.randn(3, 5)
+        (want,) = torch.autograd.grad(region(x).sum(), w, create_graph=True)
+        with ca.enable("aot_eager"):
+            (got,) = torch.autograd.grad(region(x).sum(), w, create_graph=True)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert got.requires_grad == want.requires_grad
+    reasons = ca.stats().fallback_reasons
+    assert reasons["create_graph=True with an opaque node"] == 2, reasons
+
+
+def test_an_inductor_compiled_region():
+    # inductor's forward: its partitioner's backward, with the view-to-reshape rewrite
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    compiled = torch.compile(model, backend="inductor")
+    parity(
+        lambda x: compiled(x.view(2, 5, 8)).pow(2).sum(),
+        model.parameters(),
+        lambda s: (torch.randn(10, 8),),
+        backend="aot_eager",
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    assert ca.stats().opaque_nodes == 0, ca.stats().opaque_reasons
+
+
+def test_a_region_under_autocast():
+    # forward and backward under autocast: the region's backward runs with the dtypes its joint
+    # trace made explicit (AOTAutograd turns autocast off around it), the eager nodes with autocast
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    compiled = torch.compile(model, backend="aot_eager")
+
+    def loss(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return (compiled(x) * x[:, :4]).float().pow(2).sum()
+
+    def backward_under_autocast(fn):
+        def run(*args):
+            out = fn(*args)
+            real = out.backward
+
+            def backward(*a, **k):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    real(*a, **k)
+
+            out.backward = backward
+            return out
+
+        return run
+
+    parity(backward_under_autocast(loss), model.parameters(), lambda s: (torch.randn(5, 8),), backend="aot_eager")
+    assert ca.stats().opaque_nodes == 0, ca.stats().opaque_reasons
