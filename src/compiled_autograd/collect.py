@@ -157,30 +157,31 @@ def layout_signature(t: torch.Tensor):
     return t.stride()
 
 
-def tensor_key(t: torch.Tensor) -> tuple:
-    if t.layout != torch.strided or type(t) not in (torch.Tensor, torch.nn.Parameter):
-        raise Unkeyable("tensor subclass or non-strided tensor")
-    layout = layout_signature(t)
-    return (t.dtype, t.device, t.dim(), layout if isinstance(layout, str) else "S", t.requires_grad, t.is_conj(), t.is_neg())
-
-
-def geometry(t: torch.Tensor) -> tuple:
-    """A lifted tensor's entries in the sizes vector (same order as native)."""
-    layout = layout_signature(t)
-    strides = () if isinstance(layout, str) else tuple(t.stride())
-    return tuple(t.shape) + strides + (t.storage_offset(),)
-
-
 class _Lifter:
+    """Lifts the tensors only Python sees (a custom Function's saved tensors and ctx
+    attributes) after the native ones: each one's key entries and its geometry (the sizes
+    vector) as the native collector writes them (`tensor_key`, native helper)."""
+
     def __init__(self, lifted: list):
+        from . import native
+
+        self._key = native.load().tensor_key
         self.lifted = lifted
         self.index = {id(t): i for i, t in enumerate(lifted)}
         self.extra_keys: list = []
+        self.geometry: list = []
 
     def __call__(self, t: torch.Tensor) -> int:
         i = self.index.get(id(t))
         if i is None:
-            self.extra_keys.append(tensor_key(t))
+            try:
+                if type(t) not in (torch.Tensor, torch.nn.Parameter):
+                    raise ValueError
+                key, geometry = self._key(t)
+            except ValueError:
+                raise Unkeyable("tensor subclass or non-strided tensor") from None
+            self.extra_keys.append(key)
+            self.geometry += geometry
             i = self.index[id(t)] = len(self.lifted)
             self.lifted.append(t)
         return i
@@ -523,7 +524,7 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
         if info.symints is not None:
             info.aot_start = len(aot_ints)
             aot_ints += [s for s in info.symints if type(s) is int]
-    sizes = tuple(capture.sizes()) + tuple(d for t in lifted[n_native:] for d in geometry(t)) + tuple(aot_ints) + tuple(shapes)
+    sizes = tuple(capture.sizes()) + tuple(lift.geometry) + tuple(aot_ints) + tuple(shapes)
     return Collected(
         capture=capture,
         key=key,

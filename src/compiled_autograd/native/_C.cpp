@@ -512,6 +512,56 @@ struct GivenSavedHooks : OurSavedHooks {
   at::Tensor tensor;
 };
 
+// The key and sizes entries of one lifted tensor (GraphCapture::append_tensor_key; also
+// collect.py's _Lifter, for the tensors only Python sees: a custom Function's saved tensors and
+// ctx attributes). Returns why the tensor cannot be keyed, or nullptr.
+const char* tensor_key_into(const at::Tensor& t, std::string& key, std::vector<int64_t>& sizes) {
+  if (t.layout() != at::kStrided) {
+    return "non-strided lifted tensor";
+  }
+  if (t.key_set().has(c10::DispatchKey::Python) || t.is_nested()) {
+    return "tensor subclass";
+  }
+  append_pod(key, static_cast<int8_t>(t.scalar_type()));
+  append_pod(key, static_cast<int8_t>(t.device().type()));
+  append_pod(key, static_cast<int8_t>(t.device().index()));
+  append_pod(key, static_cast<uint8_t>(
+      (t.is_conj() ? 1 : 0) | (t.is_neg() ? 2 : 0) |
+      (t.unsafeGetTensorImpl()->is_wrapped_number() ? 4 : 0) |
+      (t.requires_grad() ? 8 : 0)));
+  append_pod(key, static_cast<uint8_t>(t.dim()));
+  char layout = 'S';
+  if (t.is_contiguous()) {
+    layout = 'C';
+  } else if (t.dim() == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast)) {
+    layout = 'L';
+  } else if (t.dim() == 5 && t.is_contiguous(at::MemoryFormat::ChannelsLast3d)) {
+    layout = 'M';
+  }
+  append_pod(key, layout);
+  for (auto s : t.sizes()) {
+    sizes.push_back(s);
+  }
+  if (layout == 'S') {
+    for (auto s : t.strides()) {
+      sizes.push_back(s);
+    }
+  }
+  sizes.push_back(t.storage_offset());
+  return nullptr;
+}
+
+// tensor_key(t) -> (key bytes, geometry): raises ValueError where the tensor cannot be keyed.
+py::tuple tensor_key(const at::Tensor& t) {
+  std::string key;
+  std::vector<int64_t> sizes;
+  const char* why = tensor_key_into(t, key, sizes);
+  if (why != nullptr) {
+    throw py::value_error(why);
+  }
+  return py::make_tuple(py::bytes(key), py::tuple(py::cast(sizes)));
+}
+
 struct LearningSavedHooks : OurSavedHooks {
   LearningSavedHooks(SavedHooksPtr original, py::object report, size_t i)
       : original(std::move(original)), report(std::move(report)), i(i) {}
@@ -1461,40 +1511,10 @@ class GraphCapture {
   // from the sizes (contiguous, channels_last: layout 'C'/'L'/'M'), and the
   // storage offset.
   void append_tensor_key(const at::Tensor& t) {
-    if (t.layout() != at::kStrided) {
-      fail("non-strided lifted tensor");
-      return;
+    const char* why = tensor_key_into(t, key_, sizes_);
+    if (why != nullptr) {
+      fail(why);
     }
-    if (t.key_set().has(c10::DispatchKey::Python) || t.is_nested()) {
-      fail("tensor subclass");
-      return;
-    }
-    append_pod(key_, static_cast<int8_t>(t.scalar_type()));
-    append_pod(key_, static_cast<int8_t>(t.device().type()));
-    append_pod(key_, static_cast<int8_t>(t.device().index()));
-    append_pod(key_, static_cast<uint8_t>(
-        (t.is_conj() ? 1 : 0) | (t.is_neg() ? 2 : 0) |
-        (t.unsafeGetTensorImpl()->is_wrapped_number() ? 4 : 0) |
-        (t.requires_grad() ? 8 : 0)));
-    append_pod(key_, static_cast<uint8_t>(t.dim()));
-    char layout = 'S';
-    if (t.is_contiguous()) {
-      layout = 'C';
-    } else if (t.dim() == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast)) {
-      layout = 'L';
-    } else if (t.dim() == 5 && t.is_contiguous(at::MemoryFormat::ChannelsLast3d)) {
-      layout = 'M';
-    }
-    append_pod(key_, layout);
-    for (auto s : t.sizes()) {
-      sizes_.push_back(s);
-    }
-    if (layout == 'S') {
-      for (auto s : t.strides()) {
-        sizes_.push_back(s);
-      }
-    }
-    sizes_.push_back(t.storage_offset());
   }
 
   cad::AutogradCompilerCall call_;
@@ -1594,6 +1614,7 @@ class PyNodeSavedSwap {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using compiled_autograd_native::GraphCapture;
+  m.def("tensor_key", &compiled_autograd_native::tensor_key);
   using compiled_autograd_native::PyNodeSavedSwap;
   py::class_<GraphCapture>(m, "GraphCapture", py::module_local())
       .def(
