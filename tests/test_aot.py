@@ -155,3 +155,25 @@ def test_a_region_under_autocast():
 
     parity(backward_under_autocast(loss), model.parameters(), lambda s: (torch.randn(5, 8),), backend="aot_eager")
     assert ca.stats().opaque_nodes == 0, ca.stats().opaque_reasons
+
+
+def test_regions_with_buffers_mutated_and_outputs_unused_or_not_differentiable():
+    # BatchNorm in train mode updates its running stats in the forward (mutated inputs, returned
+    # by the region without grads); a second output the loss ignores gets a zero grad; an
+    # integer output is not differentiable
+    torch.manual_seed(0)
+    conv, bn = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4)
+
+    def region(x):
+        h = torch.relu(bn(conv(x)))
+        return h, h.mean(dim=(2, 3)), h.flatten(1).argmax(-1)
+
+    compiled = torch.compile(region, backend="aot_eager")
+
+    def loss(x):
+        h, unused, index = compiled(x)
+        return h.pow(2).mean() + index.float().sum() * 0
+
+    params = [*conv.parameters(), *bn.parameters()]
+    parity(loss, params, lambda s: (torch.randn(2, 3, 8, 8),), backend="aot_eager", rtol=1e-5, atol=1e-6)
+    assert ca.stats().opaque_nodes == 0, ca.stats().opaque_reasons
