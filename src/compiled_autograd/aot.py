@@ -90,13 +90,9 @@ def inline_reason(cls, node) -> str | None:
         why = "a torch.compile'd region whose backward mutates its inputs"
     else:
         try:
-            module = _bw_module(cls)
+            _bw_module(cls)
         except Exception as e:
             why = f"a torch.compile'd region whose backward graph is not available ({type(e).__name__})"
-        else:
-            graph_why = _graph_reason(module)
-            if graph_why is not None:
-                why = f"a torch.compile'd region: {graph_why}"
     _REASONS[cls] = why
     return why
 
@@ -133,8 +129,13 @@ class _ReshapeViews(torch.fx.Interpreter):
 
 def trace_backward(cls, symints: list, saved: list, grads: list) -> tuple:
     """Prologue, `bw_module` and epilogue on the tracer's fakes (aten ops in its graph)."""
+    module = _bw_module(cls)
+    # checked at each trace: a compile of this backward (eager's, lazily) may rewrite it in place
+    why = _graph_reason(module)
+    if why is not None:
+        raise NotImplementedError(why)
     all_args = cls._bw_prologue_fn(saved, symints, [], list(grads))
     # the joint trace made every dtype explicit; AOTAutograd runs it with autocast off
     with torch._C._DisableAutocast():
-        out = _ReshapeViews(_bw_module(cls)).run(*all_args)
+        out = _ReshapeViews(module).run(*all_args)
     return tuple(cls._bw_epilogue_fn(out))
