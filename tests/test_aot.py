@@ -108,8 +108,9 @@ def test_create_graph_runs_a_region_as_is():
             (got,) = torch.autograd.grad(region(x).sum(), w, create_graph=True)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert got.requires_grad == want.requires_grad
-    reasons = ca.stats().fallback_reasons
-    assert reasons["create_graph=True with an opaque node"] == 2, reasons
+    s = ca.stats()
+    assert (s.captures, s.eager_fallbacks) == (0, 2), s
+    assert s.fallback_reasons["create_graph=True with an opaque node"] == 2, s.fallback_reasons
 
 
 def test_an_inductor_compiled_region():

@@ -13,11 +13,14 @@ our graph's buffers. Torch's built-in compiled autograd copies `bw_module` into 
 any custom Function's backward, so all three become aten ops of our graph.
 
 What the trace bakes in and the key holds: the Function class (its metadata, its
-`bw_module`: one per compiled region) and the integers the forward saved for the backward
-(`ctx.symints`, concrete on every run; a region compiled with dynamic shapes gives a new key
-per size until our own dynamic sizes cover them). The prologue's checks on the run's state
-(deterministic algorithms, functorch transforms) are taken at capture time: the key holds the
-deterministic flag, and a transform raises in eager code before any backward runs.
+`bw_module`: one per compiled region), which tensors it saved (by lifted index), and the
+deterministic-algorithms flag (the prologue checks it; a functorch transform, which it also
+checks, sends the whole backward to eager before any capture). The ints the forward saved
+for the backward (`ctx.symints`: concrete on every run, a batch size where the region was
+compiled with dynamic shapes) are not in the key but in the sizes vector (`Collected.n_aot`):
+static in a first capture, symbolic with guards in a dynamic one, as any size; any other
+saved scalar is a constant of the key. The tangents' memory-format coercion decides on the
+fakes' strides: a copy or not, the same values either way in a functional graph.
 
 Not inlined (the node runs opaquely, counted with the reason): a region with tensor
 subclasses, effect tokens, functionalized RNG, opaque objects or a BackwardState (dynamo's
@@ -32,6 +35,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+
 
 def is_compiled_function(cls) -> bool:
     """AOTAutograd's CompiledFunction (torch._functorch._aot_autograd.runtime_wrappers)."""
