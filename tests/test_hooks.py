@@ -1105,3 +1105,77 @@ def test_grad_mode_a_hook_leaves_on_lasts_to_the_end_of_its_node():
     runs = observe(build, "aot_eager")
     assert runs[1][1] == [("same node", True), ("next node", False)]
     torch.set_grad_enabled(True)
+
+
+def _slot_kinds():
+    return [s.kind for e in ca.graphs() for s in e.plan.slots]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_leafs_tensor_hooks_and_its_accumulation_are_one_call(backend):
+    # NOTE [A leaf's hooks and its accumulation in one call]: logging, scaling, reading the
+    # leaf's own `.grad` (the old value: its hooks run before AccumulateGrad), a
+    # post-accumulate hook after them, existing grads accumulated into
+    def build(log, step):
+        torch.manual_seed(0)
+        W = [leaf(8, 8) for _ in range(4)]
+        W[3].grad = torch.full((8, 8), 0.5)
+        torch.manual_seed(step)
+        x = torch.randn(8, 8)
+        h = x
+        for w in W:
+            h = torch.tanh(h @ w)
+        W[0].register_hook(lambda g: log.append(("W0", g.clone())))
+        W[1].register_hook(lambda g: g * 2)
+        W[1].register_hook(lambda g: log.append(("W1 after the first hook", g.clone())))
+        W[2].register_hook(lambda g: log.append(("W2", g.sum())) or g + 1)
+        W[3].register_hook(lambda g: log.append(("W3 .grad before", W[3].grad.clone())))
+        W[3].register_post_accumulate_grad_hook(lambda p: log.append(("W3 .grad after", p.grad.clone())))
+        return (h * h).sum(), W
+
+    observe(build, backend=backend, background=False)
+    kinds = _slot_kinds()
+    assert kinds.count(ca.ops.HOOKED_ACCUMULATE) == 4, kinds
+    assert ca.ops.TENSOR_PRE_HOOKS not in kinds and ca.ops.ACCUMULATE not in kinds, kinds
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_leaf_hooks_grad_is_stolen_or_copied_as_eager(backend):
+    # what a leaf's hook returns becomes `.grad` without a copy, as in eager, unless
+    # something else still refers to it (a hook that keeps its grad): then AccumulateGrad copies
+    def run(compiled, step):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        made, kept = {}, {}
+        w0, w1, w2 = model[0].weight, model[2].weight, model[4].weight
+
+        def scale(g):
+            r = g * 3
+            made["w0"] = r.data_ptr()  # an int: no reference to r
+            return r
+
+        w0.register_hook(scale)
+        w1.register_hook(lambda g: kept.__setitem__("w1", g))
+        w2.register_hook(lambda g: None)
+        torch.manual_seed(step)
+        out = model(torch.randn(8, 16)).pow(2).sum()
+        if compiled:
+            with ca.enable(backend, fullgraph=True, background=False):
+                out.backward()
+        else:
+            out.backward()
+        sharing = (w0.grad.data_ptr() == made["w0"], w1.grad.data_ptr() == kept["w1"].data_ptr())
+        before = w1.grad.clone()
+        kept["w1"].add_(1)  # the hook's tensor, changed after the backward: not `.grad`
+        torch.testing.assert_close(w1.grad, before)
+        return sharing, [p.grad for p in model.parameters()]
+
+    for step in range(2):
+        got_sharing, got = run(True, step)
+        want_sharing, want = run(False, step)
+        assert want_sharing == (True, False)
+        assert got_sharing == want_sharing, (got_sharing, want_sharing)
+        assert_grads_equal(got, want, what=f"step {step}")
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
+    assert _slot_kinds().count(ca.ops.HOOKED_ACCUMULATE) == 3

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import ops
 from .config import BackendLike
 
 _lock = threading.RLock()
@@ -139,8 +140,6 @@ def _register_inductor_lowering() -> None:
     from torch._inductor.lowering import lowerings, register_lowering
     from torch._inductor.virtualized import V
 
-    from . import ops
-
     op = torch.ops.compiled_autograd.call.default
     if op in lowerings:
         return
@@ -158,6 +157,12 @@ def _register_inductor_lowering() -> None:
         # operations also depend on the previous call's, keyed as the scheduler reads them
         previous = getattr(V.graph, "_compiled_autograd_last_call", None)
         created = V.graph.operations[start:]
+        for operation in created:
+            if isinstance(operation, ir.FallbackKernel) and not V.graph.cpp_wrapper:
+                # the generated Python code calls the kernel directly (ops.call_direct): not
+                # through the dispatcher, whose boxing of the arguments and redispatch to our
+                # Python kernel cost ~10 us a call
+                operation.python_kernel_name = ops.DIRECT_KERNEL_NAME
         if previous is not None:
             for operation in created:
                 V.graph.additional_star_deps[operation.get_operation_name()].add(previous.get_name())
@@ -226,9 +231,7 @@ def _patch_codegen_free() -> None:
 
 
 def _with_effects_direct(token, op, *args, **kwargs):
-    from .ops import call_direct
-
-    return (token, call_direct(*args, **kwargs))
+    return (token, ops.call_direct(*args, **kwargs))
 
 
 def _direct_calls(graph: torch.fx.Graph) -> None:
@@ -237,14 +240,12 @@ def _direct_calls(graph: torch.fx.Graph) -> None:
     dispatch (pytree flattening of the arguments, a new token tensor per call) cost about
     60 us a call, half a hook call's time. The call stays where the graph has it, and the
     graph runs in order (the token only threads that order through)."""
-    from .ops import call_direct
-
     op = torch.ops.compiled_autograd.call.default
     for n in graph.nodes:
         if n.op != "call_function":
             continue
         if n.target is op:
-            n.target = call_direct
+            n.target = ops.call_direct
         elif n.target is torch.ops.higher_order.with_effects and len(n.args) > 1 and n.args[1] is op:
             n.target = _with_effects_direct
 

@@ -77,6 +77,9 @@ KEEPS_INPUTS = 2  # an output may be one of its unshared inputs: their buffers a
 # set on every call: our inductor lowering frees the buffers it keeps from reuse at their last
 # use (NOTE [Freed, never reused], backends.py); code compiled before that had no such bit
 FREED_NOT_REUSED = 16
+# set on every call: inductor's code calls it directly, not through the dispatcher
+# (backends._register_inductor_lowering); code compiled before calls the op
+DIRECT = 32
 # flags >> PASSES_SHIFT: how many of its last arguments the call also returns, as its last
 # outputs (graph inputs read after it: NOTE [Hooks may change what the graph reads], trace.py)
 PASSES_SHIFT = 8
@@ -88,8 +91,11 @@ POST_HOOKS = "post_hooks"
 NODE = "node"
 ACCUMULATE = "accumulate"
 UNPACK = "unpack"  # a saved tensor's unpack hook (collect.py, NOTE [Unpacking in the graph])
+# a leaf's tensor hooks and its AccumulateGrad (NOTE [A leaf's hooks and its accumulation in one call])
+HOOKED_ACCUMULATE = "tensor_hooks_and_accumulate"
+ACCUMULATES = (ACCUMULATE, HOOKED_ACCUMULATE)  # the calls that hand a grad to AccumulateGrad
 # where in its node's steps a call runs (GraphCapture.hooks_added)
-_STAGE = {TENSOR_PRE_HOOKS: 0, PRE_HOOKS: 1, NODE: 2, POST_HOOKS: 2, ACCUMULATE: 2}
+_STAGE = {TENSOR_PRE_HOOKS: 0, PRE_HOOKS: 1, NODE: 2, POST_HOOKS: 2, ACCUMULATE: 2, HOOKED_ACCUMULATE: 0}
 
 
 class _Replay(threading.local):
@@ -216,8 +222,8 @@ def _run_call(slot, args, sizes, ranks, dtypes, devices, flags) -> list[torch.Te
     inside = torch._C._dispatch_tls_local_exclude_set()
     undo = _set_exclude_set(outside, inside) if inside != outside else ()
     try:
-        if kind == ACCUMULATE:
-            outs = _accumulate(capture, node, args, steal if fresh else None)
+        if kind in ACCUMULATES:
+            outs = _accumulate(capture, node, args, steal if fresh else None, kind == HOOKED_ACCUMULATE)
         else:
             keeps = keep and flags & KEEPS_INPUTS
             # a grad a hook keeps (`seen.append(g)`) must not become `.grad` as it is: eager's
@@ -343,7 +349,7 @@ def input_storages(args) -> _Storages:
     return _Storages([t for t in args if isinstance(t, torch.Tensor)])
 
 
-def _accumulate(capture, node, args, steal):
+def _accumulate(capture, node, args, steal, hooked=False):
     """NOTE [Stealing a fresh grad]
     AccumulateGrad runs inside the graph when hooks or opaque nodes could
     observe `.grad` (DDP's reducer, module hooks). Eager's AccumulateGrad takes
@@ -373,14 +379,29 @@ def _accumulate(capture, node, args, steal):
         buffer in inductor's never-reuse set. (Making it a graph output would
         stop the reuse too, but keep every new grad alive to the end of the
         graph when it is added into an existing `.grad`.) A user's backend
-        gets the copy, as torch's built-in copies every such grad."""
+        gets the copy, as torch's built-in copies every such grad.
+
+    NOTE [A leaf's hooks and its accumulation in one call]
+    A leaf's tensor hooks (`param.register_hook`: logging, clipping, DDP-style
+    bucketing) run right before its AccumulateGrad, in the same step of the
+    engine, and what they return is what it accumulates. Two calls cost two
+    trips out of the compiled code and back (dispatch, the frame, conforming the
+    hooks' result to the graph's expectations), ~80 us per hooked parameter
+    against eager's ~3 us; so a leaf whose grad is always defined gets one call
+    (`hooked`, GraphCapture.hooked_accumulate), which hands the hooks' result to
+    AccumulateGrad as the engine does: nothing of the graph sees it. The hooks
+    get the grad as the lone call got it: a tensor nothing else refers to on
+    the graph's buffer when that may be stolen (above), so a hook that keeps it
+    raises its reference count and AccumulateGrad copies, as eager's does."""
     grad, defined = args[0], (args[1] if len(args) > 1 else None)
     if grad is None or (defined is not None and not bool(defined)):
         return []
     if steal is not None and grad.untyped_storage() not in steal:
         holder = [grad.detach()]  # the only reference to the new tensor: AccumulateGrad may keep it
         del grad
-        capture.accumulate_owned(node, holder)
+        (capture.hooked_accumulate if hooked else capture.accumulate_owned)(node, holder)
+    elif hooked:
+        capture.hooked_accumulate(node, [grad])
     else:
         capture.accumulate(node, grad)
     return []
@@ -431,6 +452,11 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)  # "Overriding a previously registered kernel"
     _lib.impl("call", _call_at_autograd, "Autograd")
 
+# The name inductor's generated Python code calls a call by (backends._register_inductor_lowering):
+# call_direct, reachable from the `torch` every such module imports
+_op._compiled_autograd_direct = call_direct
+DIRECT_KERNEL_NAME = "torch.ops.compiled_autograd.call.default._compiled_autograd_direct"
+
 
 def _register_aliasing_check_exemption():
     """AOTAutograd runs a compiled function's first call under a mode that checks that no custom
@@ -438,6 +464,8 @@ def _register_aliasing_check_exemption():
     where the environment sets CI, a warning elsewhere). A call that hands its grad back does
     alias, where that is safe (NOTE [Outputs the graph owns]), so under that mode the call runs
     unchecked; every other op is still checked."""
+    import torch._dynamo  # noqa: F401  (imported first, runtime_wrappers' import is circular)
+
     try:
         from torch._functorch._aot_autograd.runtime_wrappers import _AnalyzeCustomOpInputOutputMode
     except ImportError:  # pragma: no cover - another torch

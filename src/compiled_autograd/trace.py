@@ -117,7 +117,7 @@ class Plan:
     def steals(self) -> bool:
         """Whether an ACCUMULATE call may hand AccumulateGrad the graph's own buffer
         (NOTE [Stealing a fresh grad], ops.py)."""
-        return any(slot.kind == ops.ACCUMULATE and slot.fresh for slot in self.slots)
+        return any(slot.kind in ops.ACCUMULATES and slot.fresh for slot in self.slots)
 
 
 
@@ -284,7 +284,7 @@ class _BackwardTracer:
             dtypes.append(ops._DTYPE_CODE[dtype])
             devices.append(ops.device_code(device))
         keeps = flags if keeps is None else keeps
-        bits = (ops.DEFINEDNESS if flags else 0) | (ops.KEEPS_INPUTS if keeps else 0) | ops.FREED_NOT_REUSED
+        bits = (ops.DEFINEDNESS if flags else 0) | (ops.KEEPS_INPUTS if keeps else 0) | ops.FREED_NOT_REUSED | ops.DIRECT
         outs = torch.ops.compiled_autograd.call(slot, list(args), sizes, ranks, dtypes, devices, bits)
         flag = outs[-1] if flags else None
         it = iter(outs)
@@ -395,12 +395,21 @@ class _BackwardTracer:
                 captured[out_idx] = self._result(values[nr])
             if not execute:
                 continue
-            if n_tensor_pre or n_retains:
+            # a leaf's tensor hooks and its accumulation: one call (NOTE [A leaf's hooks and
+            # its accumulation in one call], ops.py), where its grad is always defined
+            hooked = None
+            if kind == ACCUMULATE_KIND and self.in_graph_accumulate and (n_tensor_pre or n_retains) and not n_pre:
+                v = values[0]
+                hooked = v if v is not None and v.bits is None else None
+            if (n_tensor_pre or n_retains) and hooked is None:
                 values = self._hook_call(ops.TENSOR_PRE_HOOKS, idx, values)
             if n_pre:
                 values = self._hook_call(ops.PRE_HOOKS, idx, values)
             in_bits = self._input_bits(values)
-            if kind == ACCUMULATE_KIND:
+            if kind == ACCUMULATE_KIND and hooked is not None:
+                self._call(ops.HOOKED_ACCUMULATE, idx, [hooked.t], [])
+                outputs = []
+            elif kind == ACCUMULATE_KIND:
                 self._accumulate(idx, values[0])
                 outputs = []
             else:
@@ -829,7 +838,7 @@ def _releases(slots, nodes) -> tuple:
     variables are freed (NOTE [Saved tensors freed as eager frees them])."""
     reading = []  # (node, slot) of each call that may read saved tensors
     for s, (kind, node, *_) in enumerate(slots):
-        if kind in (ops.UNPACK, ops.ACCUMULATE):
+        if kind in (ops.UNPACK, *ops.ACCUMULATES):
             continue
         if kind != ops.NODE:
             if nodes[node][1] == ACCUMULATE_KIND:
@@ -866,7 +875,7 @@ def _mark_fresh_grads(gm: torch.fx.GraphModule, slots: list) -> tuple:
         if n.op != "call_function" or n.target is not torch.ops.compiled_autograd.call.default:
             continue
         slot = n.args[0]
-        if slots[slot][0] != ops.ACCUMULATE or not n.args[1] or not isinstance(n.args[1][0], torch.fx.Node):
+        if slots[slot][0] not in ops.ACCUMULATES or not n.args[1] or not isinstance(n.args[1][0], torch.fx.Node):
             continue
         if _read_only_here(n.args[1][0]):
             slots[slot] = slots[slot]._replace(fresh=True)
@@ -1044,7 +1053,7 @@ def _mark_shared_args(gm: torch.fx.GraphModule, slots: tuple) -> tuple:
         if n.op != "call_function" or n.target is not call:
             continue
         slot = slots[n.args[0]]
-        if slot.kind not in (ops.TENSOR_PRE_HOOKS, ops.PRE_HOOKS, ops.POST_HOOKS, ops.NODE):
+        if slot.kind not in (ops.TENSOR_PRE_HOOKS, ops.PRE_HOOKS, ops.POST_HOOKS, ops.NODE, ops.HOOKED_ACCUMULATE):
             continue
         args = list(n.args[1])[: len(n.args[1]) - slot.in_flags]
         shared = tuple(

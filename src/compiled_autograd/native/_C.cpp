@@ -1053,6 +1053,30 @@ class GraphCapture {
     (*nodes_.at(idx).fn)(std::move(in));
   }
 
+  // A leaf's tensor hooks, then its AccumulateGrad, in one call (NOTE [A leaf's hooks
+  // and its accumulation in one call] in ops.py): holder[0] is dropped first, so the
+  // hooks get the grad and AccumulateGrad what they return with eager's reference counts.
+  void hooked_accumulate(size_t idx, py::list holder) {
+    py::object item = holder[0];
+    at::Tensor grad = THPVariable_Unpack(item.ptr());
+    holder[0] = py::none();
+    item = py::object();
+    auto& fn = nodes_.at(idx).fn;
+    variable_list values;
+    values.emplace_back(std::move(grad));
+    for (const auto& hook : fn->tensor_pre_hooks()) {
+      values = (*hook)(values);
+    }
+    for (const auto& pair : fn->retains_grad_hooks()) {
+      values = (*pair.second)(values);
+    }
+    if (values.empty() || !values[0].defined()) {
+      return;
+    }
+    at::NoGradGuard no_grad;
+    (*fn)(std::move(values));
+  }
+
   // Accumulate the graph's results for the nodes listed in `acc` (node index,
   // result index), dropping Python's references first so that AccumulateGrad
   // may steal the buffer as eager does. Returns the results of grad().
@@ -1656,6 +1680,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("call_node", &GraphCapture::call_node)
       .def("accumulate", &GraphCapture::accumulate)
       .def("accumulate_owned", &GraphCapture::accumulate_owned)
+      .def("hooked_accumulate", &GraphCapture::hooked_accumulate)
       .def("apply_results", &GraphCapture::apply_results)
       .def("release", &GraphCapture::release)
       .def("release_nodes", &GraphCapture::release_nodes)
