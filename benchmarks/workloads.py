@@ -67,6 +67,18 @@ def _hooked(quick: bool) -> Workload:
     return wl
 
 
+def _param_hooked(quick: bool) -> Workload:
+    """The D=256 MLP with a tensor hook on every parameter that clamps its gradient
+    (per-parameter gradient clipping as the backward computes it, the recipe
+    `p.register_hook(lambda g: g.clamp(-c, c))`): what each hook returns is what
+    AccumulateGrad accumulates, so each runs in the graph, at its eager position."""
+    wl = _mlp(256, quick)
+    for p in wl.params:
+        p.register_hook(lambda g: g.clamp(-1e-3, 1e-3))
+    wl.description += "; a tensor hook clamping the gradient on every parameter (per-parameter clipping)"
+    return wl
+
+
 def _module_hooked(quick: bool) -> Workload:
     """The transformer with a logging full backward hook on every Linear and LayerNorm (what
     gradient monitors and per-layer debugging tools register): each hook reads its module's
@@ -281,7 +293,7 @@ def _stream(quick: bool) -> Stream:
 
 WORKLOADS = [
     "mlp256", "mlp1024", "transformer", "cnn", "chain", "stream", "checkpointed", "gradient_penalty", "hooked",
-    "module_hooked", "offloaded", "compiled_mlp1024", "compiled_transformer",
+    "param_hooked", "module_hooked", "offloaded", "compiled_mlp1024", "compiled_transformer",
 ]
 
 
@@ -309,6 +321,8 @@ def _build(name: str, quick: bool):
         return _gradient_penalty(quick)
     if name == "hooked":
         return _hooked(quick)
+    if name == "param_hooked":
+        return _param_hooked(quick)
     if name == "module_hooked":
         return _module_hooked(quick)
     if name == "offloaded":

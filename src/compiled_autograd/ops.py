@@ -232,7 +232,7 @@ def _run_call(slot, args, sizes, ranks, dtypes, devices, flags) -> list[torch.Te
             outs = _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, flags, hooks, shared if keeps else None)
             for a, n in counts:
                 if sys.getrefcount(a) - sum(o is a for o in outs) > n:
-                    steal.keep_out(a)
+                    steal.add(a)
         if kind != UNPACK and capture.hooks_added(node, _STAGE[kind]):
             raise RuntimeError(
                 f"compiled_autograd: {kind.replace('_', ' ')} of {capture.node_name(node)} registered a hook "
@@ -318,35 +318,15 @@ def _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, fl
     return _conform(kind, capture, node, mask, outs, keep, list(_unpack_meta(sizes, ranks, dtypes, devices)), flags)
 
 
-class _Storages:
-    """The storages of a graph's tensor inputs, by identity. Weak references pin their
-    StorageImpls for the graph's run: a boxed graph frees inputs as it goes, and a new
-    grad may get a freed input's memory (by data address it read as that input, and was
-    copied: a flaky extra copy) but never its StorageImpl while a weak reference holds it."""
+def input_storages(args):
+    """The storages of a graph's tensor inputs, by identity (NOTE [Stealing a fresh grad]):
+    the native helper's StorageSet, whose weak references pin their StorageImpls for the
+    graph's run (a boxed graph frees inputs as it goes; a new grad may get a freed input's
+    memory, never its StorageImpl). `t in storages`; `storages.add(t)`: never steal t's
+    memory (a hook kept a reference to it)."""
+    from . import native
 
-    __slots__ = ("refs", "ids")
-
-    def __init__(self, tensors):
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        self.refs = [StorageWeakRef(t.untyped_storage()) for t in tensors]
-        self.ids = {r.cdata for r in self.refs}
-
-    def __contains__(self, storage) -> bool:
-        return storage._cdata in self.ids
-
-    def keep_out(self, t) -> None:
-        """Never steal t's memory: a hook kept a reference to it."""
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        ref = StorageWeakRef(t.untyped_storage())
-        self.refs.append(ref)
-        self.ids.add(ref.cdata)
-
-
-def input_storages(args) -> _Storages:
-    """The storages of a graph's tensor inputs (NOTE [Stealing a fresh grad])."""
-    return _Storages([t for t in args if isinstance(t, torch.Tensor)])
+    return native.load().StorageSet([t for t in args if isinstance(t, torch.Tensor)])
 
 
 def _accumulate(capture, node, args, steal, hooked=False):
@@ -369,7 +349,7 @@ def _accumulate(capture, node, args, steal, hooked=False):
       * at run time its storage is none of the graph inputs' (`steal`: those
         storages, by identity; a compiler that removes no-ops could hand over
         an input), nor of a tensor a hook kept (its reference count rose across
-        the hook's call, `_Storages.keep_out`: a logging hook storing its grad;
+        the hook's call, `input_storages(...).add`: a logging hook storing its grad;
         eager's AccumulateGrad sees that reference and copies);
       * nothing in the compiled code writes into it afterwards: the eager
         graph and aot_eager run functional aten ops; inductor reuses a dead
@@ -396,14 +376,8 @@ def _accumulate(capture, node, args, steal, hooked=False):
     grad, defined = args[0], (args[1] if len(args) > 1 else None)
     if grad is None or (defined is not None and not bool(defined)):
         return []
-    if steal is not None and grad.untyped_storage() not in steal:
-        holder = [grad.detach()]  # the only reference to the new tensor: AccumulateGrad may keep it
-        del grad
-        (capture.hooked_accumulate if hooked else capture.accumulate_owned)(node, holder)
-    elif hooked:
-        capture.hooked_accumulate(node, [grad])
-    else:
-        capture.accumulate(node, grad)
+    # (the new tensor on the grad's memory is made there: no Python object refers to it)
+    capture.accumulate_graph_grad(node, grad, hooked, steal)
     return []
 
 

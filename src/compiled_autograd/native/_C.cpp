@@ -586,6 +586,34 @@ struct LearningSavedHooks : OurSavedHooks {
   size_t i;
 };
 
+// NOTE [Stealing a fresh grad] (ops.py): the storages of a graph's tensor inputs, by
+// identity. Weak references pin their StorageImpls for the graph's run: a boxed graph frees
+// inputs as it goes, and a new grad may get a freed input's memory (by data address it read
+// as that input, and was copied: a flaky extra copy) but never its StorageImpl while a weak
+// reference holds it. A tensor without storage counts as one of them (never stolen).
+struct StorageSet {
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> refs;
+  std::unordered_set<const c10::StorageImpl*> ids;
+
+  explicit StorageSet(const py::list& tensors) {
+    for (const auto& item : tensors) {
+      if (THPVariable_Check(item.ptr())) {
+        add(THPVariable_Unpack(item.ptr()));
+      }
+    }
+  }
+
+  void add(const at::Tensor& t) {
+    if (t.has_storage() && ids.insert(t.storage().unsafeGetStorageImpl()).second) {
+      refs.push_back(t.storage().getWeakStorageImpl());
+    }
+  }
+
+  bool contains(const at::Tensor& t) const {
+    return !t.has_storage() || ids.count(t.storage().unsafeGetStorageImpl()) > 0;
+  }
+};
+
 class GraphCapture {
  public:
   // roots and inputs: tensors or GradientEdges (node, output_nr)
@@ -1026,41 +1054,27 @@ class GraphCapture {
     return validate(idx, from_variables(outs));
   }
 
-  // AccumulateGrad itself: layout contract, stealing, in-place accumulation,
-  // post-accumulate-grad hooks.
-  void accumulate(size_t idx, std::optional<at::Tensor> grad) {
-    if (!grad.has_value()) {
+  // AccumulateGrad itself (layout contract, stealing, in-place accumulation,
+  // post-accumulate-grad hooks), in the graph (with its leaf's tensor hooks first, `hooked`), of the graph's
+  // buffer `grad`: when its storage is none of the graph inputs' (`inputs`, a StorageSet;
+  // none: never), AccumulateGrad gets a new tensor on it that nothing else refers to, which
+  // it may steal as eager's does; else the graph's own tensor, which it copies (NOTE
+  // [Stealing a fresh grad] in ops.py). One call, no Python tensor made for the new one.
+  void accumulate_graph_grad(size_t idx, const at::Tensor& grad, bool hooked, const StorageSet* inputs) {
+    at::Tensor given = (inputs != nullptr && !inputs->contains(grad)) ? grad.detach() : grad;
+    if (hooked) {
+      hooked_accumulate_tensor(idx, std::move(given));
       return;
     }
     at::NoGradGuard no_grad;
     variable_list in;
-    in.emplace_back(std::move(*grad));
-    grad.reset();
+    in.emplace_back(std::move(given));
     (*nodes_.at(idx).fn)(std::move(in));
   }
 
-  // accumulate() for the tensor in holder[0], which the caller refers to
-  // nowhere else: holder[0] is dropped first, so AccumulateGrad may steal the
-  // tensor as eager's does (NOTE [Stealing a fresh grad] in ops.py).
-  void accumulate_owned(size_t idx, py::list holder) {
-    py::object item = holder[0];
-    at::Tensor grad = THPVariable_Unpack(item.ptr());
-    holder[0] = py::none();
-    item = py::object();
-    at::NoGradGuard no_grad;
-    variable_list in;
-    in.emplace_back(std::move(grad));
-    (*nodes_.at(idx).fn)(std::move(in));
-  }
-
-  // A leaf's tensor hooks, then its AccumulateGrad, in one call (NOTE [A leaf's hooks
-  // and its accumulation in one call] in ops.py): holder[0] is dropped first, so the
-  // hooks get the grad and AccumulateGrad what they return with eager's reference counts.
-  void hooked_accumulate(size_t idx, py::list holder) {
-    py::object item = holder[0];
-    at::Tensor grad = THPVariable_Unpack(item.ptr());
-    holder[0] = py::none();
-    item = py::object();
+  // A leaf's tensor hooks, then its AccumulateGrad, as the engine runs them in one step
+  // (NOTE [A leaf's hooks and its accumulation in one call] in ops.py).
+  void hooked_accumulate_tensor(size_t idx, at::Tensor grad) {
     auto& fn = nodes_.at(idx).fn;
     variable_list values;
     values.emplace_back(std::move(grad));
@@ -1640,6 +1654,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using compiled_autograd_native::GraphCapture;
   m.def("tensor_key", &compiled_autograd_native::tensor_key);
   using compiled_autograd_native::PyNodeSavedSwap;
+  using compiled_autograd_native::StorageSet;
+  py::class_<StorageSet>(m, "StorageSet", py::module_local())
+      .def(py::init<const py::list&>())
+      .def("add", &StorageSet::add)
+      .def("__contains__", &StorageSet::contains);
   py::class_<GraphCapture>(m, "GraphCapture", py::module_local())
       .def(
           py::init<
@@ -1678,9 +1697,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("call_pre_hooks", &GraphCapture::call_pre_hooks)
       .def("call_post_hooks", &GraphCapture::call_post_hooks)
       .def("call_node", &GraphCapture::call_node)
-      .def("accumulate", &GraphCapture::accumulate)
-      .def("accumulate_owned", &GraphCapture::accumulate_owned)
-      .def("hooked_accumulate", &GraphCapture::hooked_accumulate)
+      .def("accumulate_graph_grad", &GraphCapture::accumulate_graph_grad)
       .def("apply_results", &GraphCapture::apply_results)
       .def("release", &GraphCapture::release)
       .def("release_nodes", &GraphCapture::release_nodes)
