@@ -938,3 +938,48 @@ def test_a_hook_whose_result_changes_raises_once():
     for step, (g, w) in enumerate(zip(got, want)):
         if not isinstance(g, str):
             torch.testing.assert_close(g, w, msg=f"step {step}")
+
+
+def _bf16_offload():
+    return torch.autograd.graph.saved_tensors_hooks(
+        lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t,
+        lambda t: t.float() if t.dtype == torch.bfloat16 else t,
+    )
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_offloading_hooks_on_a_stream_of_sizes_learn_at_two_sizes_only(backend):
+    # NOTE [Unpack metadata learned from the last backward]: an offloading hook pair returns a
+    # tensor of the packed one's shape; seen to hold at two batch sizes, that rule predicts
+    # every other size: no eager learning backward per new size, a dynamic graph from the fourth
+    sizes = [3, 5, 7, 4, 9, 6]
+
+    def build(log, step):
+        torch.manual_seed(0)
+        w = leaf(6, 8)
+        b = leaf(8)
+        torch.manual_seed(step)
+        x = torch.randn(sizes[step], 6)
+        with _bf16_offload():
+            loss = torch.tanh(x @ w + b).pow(2).sum()
+        return loss, [w, b]
+
+    observe(build, backend, steps=len(sizes), captures=2, learning=2)
+    assert ca.stats().dynamic_captures == 1
+
+
+def test_a_hook_whose_packed_value_hides_the_shape_learns_at_every_size():
+    # the rule needs the one packed tensor of the unpacked one's shape: a hook that packs a
+    # flattened tensor (and the shape beside it) gives none, so each new size learns again
+    sizes = [3, 5, 7]
+
+    def build(log, step):
+        torch.manual_seed(0)
+        w = leaf(6, 8)
+        torch.manual_seed(step)
+        x = torch.randn(sizes[step], 6)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (t.flatten(), t.shape), lambda p: p[0].view(p[1])):
+            loss = torch.tanh(x @ w).pow(2).sum()
+        return loss, [w]
+
+    observe(build, steps=len(sizes), captures=0, learning=3)

@@ -49,6 +49,15 @@ hook that then returns something else raises (the graph ran part way: it
 cannot fall back) and that tensor is unpacked when the backward starts from
 then on, and so is one that returned something other than a plain strided
 tensor, or that eager did not unpack (its node's formula did not need it).
+Sizes that change every step (a stream of sequence lengths) would make every
+backward a learning one. So what is learned is also generalized, by one
+rule only: the unpacked tensor has the shape of the one tensor in the packed
+value that had its shape (offloading and compression keep the shape), with the
+dtype and device it had. A rule seen to hold at two different sizes of the same
+graph, position, hook and packed structure (ranks, dtypes, devices) predicts the
+tensor at any other sizes (`_Learned.by_rule`; sizes or packed shapes, as an
+index_fill's index length is not a size of the graph); it is checked at replay
+as any prediction is, and dropped for good when it fails.
 """
 
 from __future__ import annotations
@@ -491,7 +500,9 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
             learned = (native_key, i, _hook_code(hook), _packed_meta(packed))
             meta = LEARNED.get(learned)
             if meta is None and not LEARNED.is_unpredictable(learned):
-                learn[i] = learned
+                meta = LEARNED.by_rule(learned)
+                if meta is None:
+                    learn[i] = learned
         metas.append((meta, learned))
     if learn:
         return Learn(capture, learn)
@@ -639,9 +650,31 @@ def _packed_meta(packed):
     return type(packed)
 
 
+def _without_shapes(packed_meta):
+    """_packed_meta's structure without its shapes: each tensor's rank, dtype and device."""
+    if isinstance(packed_meta, tuple) and len(packed_meta) == 3 and isinstance(packed_meta[1], torch.dtype):
+        shape, dtype, device = packed_meta
+        return (len(shape), dtype, device)
+    if isinstance(packed_meta, tuple):
+        return tuple(_without_shapes(p) for p in packed_meta)
+    return packed_meta
+
+
+def _packed_shapes(packed_meta) -> list:
+    """The shapes of the tensors in a _packed_meta, in order."""
+    if isinstance(packed_meta, tuple) and len(packed_meta) == 3 and isinstance(packed_meta[1], torch.dtype):
+        return [packed_meta[0]]
+    if isinstance(packed_meta, tuple):
+        return [s for p in packed_meta for s in _packed_shapes(p)]
+    return []
+
+
 def _hook_code(hook):
     fn = getattr(hook, "__func__", hook)
     return getattr(fn, "__code__", None) or type(hook)
+
+
+_NO_RULE = (-1, None, None, None)  # _Learned.rules: none holds, or one failed
 
 
 class _Learned:
@@ -653,10 +686,29 @@ class _Learned:
     def __init__(self):
         self.metas: dict = {}
         self.unpredictable: dict = {}
+        # the size-free rules (NOTE above): rule key -> (packed tensor position, dtype, device,
+        # the (sizes, packed shapes) it held at: it predicts once there are two; None: it failed)
+        self.rules: dict = {}
         self.lock = threading.Lock()
 
     def get(self, key):
         return self.metas.get(key)
+
+    @staticmethod
+    def _rule_key(key):
+        """A learned key without sizes: the graph's digest, position, hook code, and the packed
+        value's structure (its tensors' ranks, dtypes and devices)."""
+        (digest, _sizes), i, code, packed = key
+        return (digest, i, code, _without_shapes(packed))
+
+    def by_rule(self, key):
+        """The metadata a confirmed rule predicts for `key` (sizes not seen before), or None."""
+        rule = self.rules.get(self._rule_key(key))
+        if rule is None or rule[3] is None or len(rule[3]) < 2:
+            return None
+        k, dtype, device, _ = rule
+        shapes = _packed_shapes(key[3])
+        return (shapes[k], dtype, device) if k < len(shapes) else None
 
     def learn(self, key, t):
         """Remember what the hook returned; None if it cannot be predicted."""
@@ -667,7 +719,26 @@ class _Learned:
             if len(self.metas) >= self.LIMIT:
                 self.metas.pop(next(iter(self.metas)))
             self.metas[key] = meta
+            self._learn_rule(key, meta)
         return meta
+
+    def _learn_rule(self, key, meta) -> None:
+        shape, dtype, device = meta
+        same = [k for k, s in enumerate(_packed_shapes(key[3])) if s == shape]
+        rk = self._rule_key(key)
+        rule = self.rules.get(rk)
+        if rule is not None and rule[3] is None:
+            return  # failed once: never again
+        if len(same) != 1 or (rule is not None and rule[:3] != (same[0], dtype, device)):
+            self._set_rule(rk, _NO_RULE)  # ambiguous, or not the rule it was
+            return
+        seen = rule[3] if rule is not None else frozenset()
+        self._set_rule(rk, (same[0], dtype, device, seen | {(key[0][1], key[3])}))
+
+    def _set_rule(self, rk, rule) -> None:
+        if len(self.rules) >= self.LIMIT and rk not in self.rules:
+            self.rules.pop(next(iter(self.rules)))
+        self.rules[rk] = rule
 
     def is_unpredictable(self, key) -> bool:
         return key in self.unpredictable
@@ -675,6 +746,7 @@ class _Learned:
     def mark_unpredictable(self, key) -> None:
         with self.lock:
             self.metas.pop(key, None)
+            self._set_rule(self._rule_key(key), _NO_RULE)
             if len(self.unpredictable) >= self.LIMIT:
                 self.unpredictable.pop(next(iter(self.unpredictable)))
             self.unpredictable[key] = True
@@ -700,6 +772,7 @@ class _Learned:
         with self.lock:
             self.metas.clear()
             self.unpredictable.clear()
+            self.rules.clear()
 
 
 LEARNED = _Learned()
