@@ -432,3 +432,26 @@ def test_a_backward_whose_capture_fails_twice_is_not_traced_again():
     s = ca.stats()
     assert len(calls) == 2 and s.eager_fallbacks == 4 and s.captures == 0, (len(calls), s)
     assert sum(s.fallback_reasons.values()) == 4 and all("backend broke" in r for r in s.fallback_reasons), s
+
+
+def test_in_graph_task_is_a_new_graph_task_each_time_nests_and_survives_errors():
+    # graph_task.in_graph_task reuses its one-node graph (retained): each run must still be
+    # its own graph task, a nested run gets another graph, and an error leaves it usable
+    from compiled_autograd.graph_task import in_graph_task
+
+    task_id = torch._C._current_graph_task_id
+    ids = [in_graph_task(task_id) for _ in range(3)]
+    assert -1 not in ids and len(set(ids)) == 3, ids
+    outer, inner = in_graph_task(lambda: (task_id(), in_graph_task(task_id)))
+    assert -1 not in (outer, inner) and outer != inner
+
+    def boom():
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        in_graph_task(boom)
+    assert in_graph_task(lambda: 7) == 7
+    called = []
+    in_graph_task(lambda: torch.autograd.Variable._execution_engine.queue_callback(lambda: called.append(task_id())))
+    assert len(called) == 1 and called[0] != -1
+    assert torch.is_grad_enabled()  # the caller's grad mode is untouched
