@@ -298,6 +298,42 @@ def test_background_compile_serves_the_traced_graph_then_switches():
     assert (s.captures, s.hits, s.compiles_pending, s.eager_fallbacks) == (1, 1, 0, 0)
 
 
+def test_background_compile_starts_after_the_first_replay_and_not_for_a_graph_that_raised():
+    # NOTE [Background compile]: the compile thread would take the GIL from the first
+    # backward's replay; it starts once that replay is done, and a graph whose first run
+    # raised (a hook's error) is not compiled at all: the next backward traces it again
+    started = []
+
+    def backend(gm, example_inputs):
+        started.append(len(log))
+        return gm
+
+    log = []
+    w = torch.randn(4, requires_grad=True)
+
+    def hook(g):
+        log.append("hook")
+        if len(log) == 1:
+            raise ValueError("first backward's hook")
+        return g
+
+    with ca.enable(backend, background=True):
+        y = w.exp()
+        y.register_hook(hook)
+        with pytest.raises(ValueError, match="first backward's hook"):
+            y.sum().backward()
+        assert ca.synchronize(timeout=30) and started == [] and ca.stats().compiles_pending == 0
+        for _ in range(2):
+            y = w.exp()
+            y.register_hook(hook)
+            y.sum().backward()
+            assert ca.synchronize(timeout=30)
+    assert started == [2], started  # compiled once, after the replay that ran the hook
+    torch.testing.assert_close(w.grad, 2 * w.detach().exp())
+    s = ca.stats()
+    assert (s.captures, s.hits, s.compile_failures, s.eager_fallbacks) == (2, 1, 0, 0), s
+
+
 def test_background_compile_failure_keeps_the_traced_graph():
     def broken(gm, example_inputs):
         raise RuntimeError("no compiler today")
