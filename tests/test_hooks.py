@@ -1179,3 +1179,23 @@ def test_a_leaf_hooks_grad_is_stolen_or_copied_as_eager(backend):
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
     assert _slot_kinds().count(ca.ops.HOOKED_ACCUMULATE) == 3
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_post_hooks_on_a_leafs_accumulate_grad_see_what_its_tensor_hooks_returned(backend):
+    # a post hook on the AccumulateGrad node gets the grad it accumulated: what the leaf's
+    # tensor hooks returned (so those are not fused into one call with it)
+    def build(log, step):
+        torch.manual_seed(0)
+        w, v = leaf(4, 4), leaf(4, 4)
+        torch.manual_seed(step)
+        x = torch.randn(3, 4)
+        h = torch.tanh(x @ w) @ v
+        w.register_hook(lambda g: g * 2)
+        acc = w.view_as(w).grad_fn.next_functions[0][0]
+        acc.register_hook(lambda grad_inputs, grad_outputs: log.append(("post", grad_outputs[0].clone())))
+        v.register_hook(lambda g: log.append(("v", g.clone())))
+        return h.pow(2).sum(), [w, v]
+
+    observe(build, backend=backend)
+    assert _slot_kinds().count(ca.ops.HOOKED_ACCUMULATE) == 1  # v's; w's hooks stay apart

@@ -398,7 +398,8 @@ class _BackwardTracer:
             # a leaf's tensor hooks and its accumulation: one call (NOTE [A leaf's hooks and
             # its accumulation in one call], ops.py), where its grad is always defined
             hooked = None
-            if kind == ACCUMULATE_KIND and self.in_graph_accumulate and (n_tensor_pre or n_retains) and not n_pre:
+            # (not with post hooks on the node: they get the grads the tensor hooks returned)
+            if kind == ACCUMULATE_KIND and self.in_graph_accumulate and (n_tensor_pre or n_retains) and not n_pre and not n_post:
                 v = values[0]
                 hooked = v if v is not None and v.bits is None else None
             if (n_tensor_pre or n_retains) and hooked is None:
