@@ -367,8 +367,10 @@ def _accumulate(capture, node, args, steal, hooked=False):
     engine, and what they return is what it accumulates. Two calls cost two
     trips out of the compiled code and back (dispatch, the frame, conforming the
     hooks' result to the graph's expectations), ~80 us per hooked parameter
-    against eager's ~3 us; so a leaf whose grad is always defined gets one call
-    (`hooked`, GraphCapture.hooked_accumulate), which hands the hooks' result to
+    against eager's ~3 us; so a leaf whose grad is always defined, and whose
+    AccumulateGrad node has no pre or post hooks of its own (those see what the
+    tensor hooks returned), gets one call (`hooked`,
+    GraphCapture.accumulate_graph_grad), which hands the hooks' result to
     AccumulateGrad as the engine does: nothing of the graph sees it. The hooks
     get the grad as the lone call got it: a tensor nothing else refers to on
     the graph's buffer when that may be stolen (above), so a hook that keeps it
