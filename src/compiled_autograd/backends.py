@@ -158,7 +158,7 @@ def _register_inductor_lowering() -> None:
         previous = getattr(V.graph, "_compiled_autograd_last_call", None)
         created = V.graph.operations[start:]
         for operation in created:
-            if isinstance(operation, ir.FallbackKernel) and not V.graph.cpp_wrapper:
+            if isinstance(operation, ir.FallbackKernel) and not V.graph.cpp_wrapper and not getattr(V.graph, "fx_wrapper", False):
                 # the generated Python code calls the kernel directly (ops.call_direct): not
                 # through the dispatcher, whose boxing of the arguments and redispatch to our
                 # Python kernel cost ~10 us a call

@@ -708,7 +708,14 @@ class _Learned:
             return None
         k, dtype, device, _ = rule
         shapes = _packed_shapes(key[3])
-        return (shapes[k], dtype, device) if k < len(shapes) else None
+        if k >= len(shapes):
+            return None
+        meta = (shapes[k], dtype, device)
+        with self.lock:  # these sizes' next backward finds it directly (checked at replay as any)
+            if len(self.metas) >= self.LIMIT:
+                self.metas.pop(next(iter(self.metas)))
+            self.metas[key] = meta
+        return meta
 
     def learn(self, key, t):
         """Remember what the hook returned; None if it cannot be predicted."""
