@@ -1199,3 +1199,58 @@ def test_post_hooks_on_a_leafs_accumulate_grad_see_what_its_tensor_hooks_returne
 
     observe(build, backend=backend)
     assert _slot_kinds().count(ca.ops.HOOKED_ACCUMULATE) == 1  # v's; w's hooks stay apart
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_leaf_calls_run_in_the_helper_and_check_what_python_checks(backend):
+    # NOTE [Leaf calls in the helper]: on a hit, a hooked leaf's call and a leaf's
+    # AccumulateGrad call (in the graph for its post-accumulate hook) do not go through
+    # Python's _run_call, and still check what it checks: a leaf's hook that changes a saved
+    # tensor of a node not yet run gets eager's version-counter error
+    native = ca.ops._native()
+    python_calls = []
+
+    def counting(*args):
+        python_calls.append(args[0])
+        return ca.ops._run_call(*args)
+
+    def run(compiled, step):
+        torch.manual_seed(0)
+        W, b, x2 = leaf(4, 4), leaf(4), leaf(4)
+        torch.manual_seed(step)
+        x, a = torch.randn(3, 4), torch.randn(4)
+        late = (x2 * a).sin().sum()  # made first: its MulBackward0 runs after W's accumulation
+        early = torch.tanh(x @ W + b).pow(2).sum()
+        seen = []
+
+        def hook(g):
+            seen.append(g.sum().item())
+            if step == 2:
+                with torch.no_grad():
+                    a.add_(1.0)
+            return g * 0.5
+
+        W.register_hook(hook)
+        b.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.sum().item()))
+        if compiled:
+            with ca.enable(backend, fullgraph=True, background=False):
+                (early + late).backward()
+        else:
+            (early + late).backward()
+        return [W.grad, b.grad, x2.grad], seen
+
+    ca.ops._install_calls(native, counting)
+    try:
+        for step in range(2):
+            (got, got_seen), (want, want_seen) = run(True, step), run(False, step)
+            assert_grads_equal(got, want, what=f"step {step}")
+            assert got_seen == pytest.approx(want_seen, rel=1e-5, abs=1e-6)
+        assert python_calls == [], python_calls  # the capture traced them; the hit ran them natively
+        for compiled in (False, True):
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                run(compiled, 2)
+    finally:
+        ca.ops._install_calls(native)
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 2, 0), s
+    assert sorted(_slot_kinds()) == [ca.ops.ACCUMULATE] * 2 + [ca.ops.HOOKED_ACCUMULATE]  # b, x2; W

@@ -231,7 +231,7 @@ def _patch_codegen_free() -> None:
 
 
 def _with_effects_direct(token, op, *args, **kwargs):
-    return (token, ops.call_direct(*args, **kwargs))
+    return (token, ops.direct(*args, **kwargs))
 
 
 def _direct_calls(graph: torch.fx.Graph) -> None:
@@ -245,7 +245,7 @@ def _direct_calls(graph: torch.fx.Graph) -> None:
         if n.op != "call_function":
             continue
         if n.target is op:
-            n.target = ops.call_direct
+            n.target = ops._native().call_direct
         elif n.target is torch.ops.higher_order.with_effects and len(n.args) > 1 and n.args[1] is op:
             n.target = _with_effects_direct
 

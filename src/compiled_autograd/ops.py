@@ -149,11 +149,14 @@ class replaying:
         self.frame = (capture, slots, torch._C._dispatch_tls_local_exclude_set(), hooks, steal, keep, versions, ctx, releases)
 
     def __enter__(self):
+        native = _native()
         _replay.stack.append(self.frame)
         _replay.tasks.append(self.task)
         _replay.nodes.append(None)
+        native.push_replay(self.frame, _replay.nodes)
 
     def __exit__(self, *exc):
+        _native().pop_replay()
         _replay.stack.pop()
         _replay.tasks.pop()
         _replay.nodes.pop()
@@ -234,22 +237,14 @@ def _run_call(slot, args, sizes, ranks, dtypes, devices, flags) -> list[torch.Te
                 if sys.getrefcount(a) - sum(o is a for o in outs) > n:
                     steal.add(a)
         if kind != UNPACK and capture.hooks_added(node, _STAGE[kind]):
-            raise RuntimeError(
-                f"compiled_autograd: {kind.replace('_', ' ')} of {capture.node_name(node)} registered a hook "
-                "(or called retain_grad()) on a node this backward has not reached, which had none of that "
-                "kind: the compiled graph has no place to run it (register it before the backward)"
-            )
+            _hooks_added_error(kind, capture, node)
         if watched:
             _check_versions(watched, versions[slot])
         if ctx and slot in ctx:
             _check_ctx(ctx[slot])
         for i, v in zip(shared, before):
             if args[i] is not None and args[i]._version != v:
-                raise RuntimeError(
-                    f"compiled_autograd: {kind.replace('_', ' ')} of {capture.node_name(node)} modified a "
-                    "gradient in place that other nodes of the backward also read; hooks must not modify "
-                    "their arguments (return a new tensor instead), and the compiled graph cannot follow"
-                )
+                _shared_modified_error(kind, capture, node)
         if releases and slot in releases:
             capture.release_nodes(releases[slot])
         if passed:  # as the call leaves them; a user's backend may reuse an output's buffer: a copy
@@ -258,6 +253,22 @@ def _run_call(slot, args, sizes, ranks, dtypes, devices, flags) -> list[torch.Te
     finally:
         for k, excluded in undo:
             torch._C._dispatch_tls_set_dispatch_key_excluded(k, excluded)
+
+
+def _hooks_added_error(kind, capture, node):
+    raise RuntimeError(
+        f"compiled_autograd: {kind.replace('_', ' ')} of {capture.node_name(node)} registered a hook "
+        "(or called retain_grad()) on a node this backward has not reached, which had none of that "
+        "kind: the compiled graph has no place to run it (register it before the backward)"
+    )
+
+
+def _shared_modified_error(kind, capture, node):
+    raise RuntimeError(
+        f"compiled_autograd: {kind.replace('_', ' ')} of {capture.node_name(node)} modified a "
+        "gradient in place that other nodes of the backward also read; hooks must not modify "
+        "their arguments (return a new tensor instead), and the compiled graph cannot follow"
+    )
 
 
 def _check_ctx(snapshots) -> None:
@@ -429,9 +440,56 @@ with warnings.catch_warnings():
     _lib.impl("call", _call_at_autograd, "Autograd")
 
 # The name inductor's generated Python code calls a call by (backends._register_inductor_lowering):
-# call_direct, reachable from the `torch` every such module imports
+# the direct call, reachable from the `torch` every such module imports
 _op._compiled_autograd_direct = call_direct
 DIRECT_KERNEL_NAME = "torch.ops.compiled_autograd.call.default._compiled_autograd_direct"
+
+# NOTE [Leaf calls in the helper]
+# A call out of compiled code costs its Python: the frame of call_direct and
+# _run_call, slicing the arguments, the grad-mode and dispatch-key checks, the
+# checks after it. For the calls a hooked or DDP-style backward makes once per
+# parameter (ACCUMULATE, HOOKED_ACCUMULATE) that was most of a hook's cost
+# against eager (~12 us a call against ~5 us of the hook itself). So the
+# compiled code calls the native helper's call_direct, which takes those two
+# kinds through the same steps as _run_call, in C++: the replay's frame is
+# pushed to the helper as well (replaying), and every other call, a call off
+# the fast path (grad mode on, a dispatch mode active), one with undefined-grad
+# flags, or one whose thread excludes other dispatch
+# keys than the backward call did, goes to call_direct or _run_call here as
+# before. Errors are raised by the same functions here (_hooks_added_error,
+# _check_versions, _check_ctx, _shared_modified_error).
+direct = call_direct  # what compiled code calls: the helper's, once loaded (_native)
+_native_module = None
+
+
+def _native():
+    """The native helper, with its direct call installed (NOTE [Leaf calls in the helper])."""
+    global _native_module, direct
+    if _native_module is None:
+        from . import native
+
+        mod = native.load()
+        _install_calls(mod)
+        direct = _op._compiled_autograd_direct = mod.call_direct
+        _native_module = mod
+    return _native_module
+
+
+def _install_calls(mod, run_call=None) -> None:
+    """Give the helper's direct call the Python it hands other calls to (`run_call`:
+    _run_call, or a test's wrapper of it)."""
+    mod.install_calls(
+        {
+            "call_direct": call_direct,
+            "run_call": run_call or _run_call,
+            "accumulate": ACCUMULATE,
+            "hooked_accumulate": HOOKED_ACCUMULATE,
+            "check_versions": _check_versions,
+            "check_ctx": _check_ctx,
+            "hooks_added_error": _hooks_added_error,
+            "shared_modified_error": _shared_modified_error,
+        }
+    )
 
 
 def _register_aliasing_check_exemption():

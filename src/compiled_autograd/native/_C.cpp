@@ -25,6 +25,8 @@
 // metadata, which is the edge metadata already in the key.
 
 #include <torch/extension.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/edge.h>
@@ -1609,6 +1611,168 @@ class GraphCapture {
   std::unordered_map<Node*, torch::autograd::GraphTask::ExecInfo>* marked_ = nullptr;
 };
 
+// ---------------------------------------------------------------------------
+// The call from compiled code, for AccumulateGrad (NOTE [Leaf calls in the
+// helper] in ops.py): ops._run_call's steps for an ACCUMULATE or
+// HOOKED_ACCUMULATE slot, without a Python frame; every other call, and every
+// case these steps do not cover, goes to the Python functions installed here.
+// ---------------------------------------------------------------------------
+struct ReplayFrame {
+  py::tuple frame; // ops.replaying.frame: (capture, slots, outside, hooks, steal, keep, versions, ctx, releases)
+  GraphCapture* capture;
+  StorageSet* steal; // nullptr: never steal
+  c10::DispatchKeySet outside; // the dispatch keys the backward call excluded
+  py::list nodes; // ops._replay.nodes: the node of the last call, at index `pos`
+  Py_ssize_t pos;
+};
+
+static thread_local std::vector<ReplayFrame> replay_frames;
+
+struct CallFallbacks {
+  py::object call_direct; // ops.call_direct: any call not on the fast path
+  py::object run_call; // ops._run_call: a call on the fast path these steps do not take
+  py::object accumulate, hooked_accumulate; // the slot kinds taken here
+  py::object check_versions, check_ctx, hooks_added_error, shared_modified_error;
+};
+
+static CallFallbacks& fallbacks() {
+  static auto* f = new CallFallbacks(); // never destroyed: no Python objects freed at exit
+  return *f;
+}
+
+static void install_calls(py::dict fns) {
+  auto& f = fallbacks();
+  f.call_direct = fns["call_direct"];
+  f.run_call = fns["run_call"];
+  f.accumulate = fns["accumulate"];
+  f.hooked_accumulate = fns["hooked_accumulate"];
+  f.check_versions = fns["check_versions"];
+  f.check_ctx = fns["check_ctx"];
+  f.hooks_added_error = fns["hooks_added_error"];
+  f.shared_modified_error = fns["shared_modified_error"];
+}
+
+static void push_replay(py::tuple frame, py::list nodes) {
+  py::object steal = frame[4];
+  replay_frames.push_back(ReplayFrame{
+      frame,
+      frame[0].cast<GraphCapture*>(),
+      steal.is_none() ? nullptr : steal.cast<StorageSet*>(),
+      c10::impl::tls_local_dispatch_key_set().excluded_,
+      nodes,
+      PyList_GET_SIZE(nodes.ptr()) - 1});
+}
+
+static void pop_replay() {
+  TORCH_CHECK(!replay_frames.empty(), "compiled_autograd: no replay to leave");
+  replay_frames.pop_back();
+}
+
+static int64_t version_of(PyObject* t) {
+  return THPVariable_Unpack(t)._version();
+}
+
+static py::object call_direct(
+    int64_t slot,
+    py::list args,
+    py::object sizes,
+    py::object ranks,
+    py::object dtypes,
+    py::object devices,
+    int64_t flags) {
+  auto& fb = fallbacks();
+  if (at::GradMode::is_enabled() || c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
+    return fb.call_direct(slot, args, sizes, ranks, dtypes, devices, flags);
+  }
+  auto python = [&]() { return fb.run_call(slot, args, sizes, ranks, dtypes, devices, flags); };
+  if (replay_frames.empty()) {
+    return python();
+  }
+  ReplayFrame& f = replay_frames.back();
+  py::tuple s = py::reinterpret_borrow<py::tuple>(py::handle(f.frame[1])[py::int_(slot)]);
+  // Slot: (kind, node, mask, in_flags, fresh, n_after, shared, n_watch)
+  py::handle kind = s[0];
+  bool hooked = kind.equal(fb.hooked_accumulate);
+  if ((!hooked && !kind.equal(fb.accumulate)) || PyObject_IsTrue(s[3].ptr()) ||
+      c10::impl::tls_local_dispatch_key_set().excluded_ != f.outside) {
+    return python();
+  }
+  py::object node_obj = s[1];
+  auto node = node_obj.cast<size_t>();
+  bool fresh = PyObject_IsTrue(s[4].ptr());
+  auto n_after = s[5].cast<Py_ssize_t>();
+  py::tuple shared = s[6];
+  auto n_watch = s[7].cast<Py_ssize_t>();
+  // the arguments: the call's own, n_after that order it, n_watch saved tensors it checks,
+  // n_passed graph inputs it returns (ops._run_call)
+  Py_ssize_t n_passed = flags >> 8; // (ops.PASSES_SHIFT)
+  Py_ssize_t end_watch = PyList_GET_SIZE(args.ptr()) - n_passed;
+  Py_ssize_t n = end_watch - n_watch - n_after;
+  PyObject* last = PyList_GET_ITEM(f.nodes.ptr(), f.pos);
+  if (!node_obj.equal(py::handle(last))) {
+    // the engine runs each node in the backward's grad mode (ops._run_call)
+    PyList_SetItem(f.nodes.ptr(), f.pos, node_obj.inc_ref().ptr());
+    if (at::GradMode::is_enabled() != f.capture->grad_mode) {
+      at::GradMode::set_enabled(f.capture->grad_mode);
+    }
+  }
+  std::vector<int64_t> before;
+  for (auto i : shared) {
+    PyObject* a = PyList_GET_ITEM(args.ptr(), i.cast<Py_ssize_t>());
+    before.push_back(a == Py_None ? 0 : version_of(a));
+  }
+  PyObject* grad = n > 0 ? PyList_GET_ITEM(args.ptr(), 0) : Py_None;
+  bool defined = grad != Py_None;
+  if (defined && n > 1) { // (its definedness, a bool tensor: ops._accumulate)
+    PyObject* d = PyList_GET_ITEM(args.ptr(), 1);
+    defined = d == Py_None || THPVariable_Unpack(d).item<bool>();
+  }
+  if (defined) {
+    f.capture->accumulate_graph_grad(node, THPVariable_Unpack(grad), hooked, fresh ? f.steal : nullptr);
+  }
+  if (f.capture->hooks_added(node, hooked ? 0 : 2)) { // (ops._STAGE)
+    fb.hooks_added_error(kind, py::handle(f.frame[0]), node_obj);
+  }
+  if (n_watch > 0) {
+    py::list expected = py::handle(f.frame[6])[py::int_(slot)];
+    Py_ssize_t start = end_watch - n_watch;
+    for (Py_ssize_t k = 0; k < n_watch; ++k) {
+      if (version_of(PyList_GET_ITEM(args.ptr(), start + k)) != expected[k].cast<int64_t>()) {
+        py::list watched;
+        for (Py_ssize_t j = 0; j < n_watch; ++j) {
+          watched.append(py::handle(PyList_GET_ITEM(args.ptr(), start + j)));
+        }
+        fb.check_versions(watched, expected); // raises eager's error
+      }
+    }
+  }
+  py::handle ctx = f.frame[7];
+  if (!ctx.is_none() && PyDict_Contains(ctx.ptr(), py::int_(slot).ptr()) == 1) {
+    fb.check_ctx(ctx[py::int_(slot)]);
+  }
+  size_t k = 0;
+  for (auto i : shared) {
+    PyObject* a = PyList_GET_ITEM(args.ptr(), i.cast<Py_ssize_t>());
+    if (a != Py_None && version_of(a) != before[k]) {
+      fb.shared_modified_error(kind, py::handle(f.frame[0]), node_obj);
+    }
+    ++k;
+  }
+  py::handle releases = f.frame[8];
+  if (!releases.is_none() && PyDict_Contains(releases.ptr(), py::int_(slot).ptr()) == 1) {
+    f.capture->release_nodes(releases[py::int_(slot)].cast<std::vector<int64_t>>());
+  }
+  py::list outs;
+  bool keep = PyObject_IsTrue(f.frame[5].ptr());
+  for (Py_ssize_t k = end_watch; k < end_watch + n_passed; ++k) {
+    // graph inputs read after the call, as it leaves them; a user's backend may reuse an
+    // output's buffer: a copy
+    PyObject* t = PyList_GET_ITEM(args.ptr(), k);
+    outs.append(keep ? py::handle(t) : py::reinterpret_steal<py::object>(THPVariable_Wrap(THPVariable_Unpack(t).clone())));
+  }
+  return outs;
+}
+
 // Swap a custom Function's saved tensors for proxies while Python traces its
 // backward (its ctx.saved_tensors then returns the proxies), and restore them.
 class PyNodeSavedSwap {
@@ -1653,6 +1817,19 @@ class PyNodeSavedSwap {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using compiled_autograd_native::GraphCapture;
   m.def("tensor_key", &compiled_autograd_native::tensor_key);
+  m.def("install_calls", &compiled_autograd_native::install_calls);
+  m.def("push_replay", &compiled_autograd_native::push_replay);
+  m.def("pop_replay", &compiled_autograd_native::pop_replay);
+  m.def(
+      "call_direct",
+      &compiled_autograd_native::call_direct,
+      py::arg("slot"),
+      py::arg("args"),
+      py::arg("sizes"),
+      py::arg("ranks"),
+      py::arg("dtypes"),
+      py::arg("devices"),
+      py::arg("flags"));
   using compiled_autograd_native::PyNodeSavedSwap;
   using compiled_autograd_native::StorageSet;
   py::class_<StorageSet>(m, "StorageSet", py::module_local())
