@@ -6,6 +6,7 @@ compiled, for two steps with different values (the second compiled step must
 be a cache hit), and compares gradients and the logs entry by entry.
 """
 
+import contextlib
 import warnings
 
 import pytest
@@ -1201,19 +1202,30 @@ def test_post_hooks_on_a_leafs_accumulate_grad_see_what_its_tensor_hooks_returne
     assert _slot_kinds().count(ca.ops.HOOKED_ACCUMULATE) == 1  # v's; w's hooks stay apart
 
 
+@contextlib.contextmanager
+def _python_calls():
+    """The slots of the calls from compiled code that reach Python's _run_call (NOTE [Calls
+    in the helper]: only unpack calls and calls off the fast path should)."""
+    native = ca.ops._native()
+    calls = []
+
+    def counting(*args):
+        calls.append(args[0])
+        return ca.ops._run_call(*args)
+
+    ca.ops._install_calls(native, counting)
+    try:
+        yield calls
+    finally:
+        ca.ops._install_calls(native)
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_leaf_calls_run_in_the_helper_and_check_what_python_checks(backend):
-    # NOTE [Leaf calls in the helper]: on a hit, a hooked leaf's call and a leaf's
+    # NOTE [Calls in the helper]: on a hit, a hooked leaf's call and a leaf's
     # AccumulateGrad call (in the graph for its post-accumulate hook) do not go through
     # Python's _run_call, and still check what it checks: a leaf's hook that changes a saved
     # tensor of a node not yet run gets eager's version-counter error
-    native = ca.ops._native()
-    python_calls = []
-
-    def counting(*args):
-        python_calls.append(args[0])
-        return ca.ops._run_call(*args)
-
     def run(compiled, step):
         torch.manual_seed(0)
         W, b, x2 = leaf(4, 4), leaf(4), leaf(4)
@@ -1239,18 +1251,47 @@ def test_leaf_calls_run_in_the_helper_and_check_what_python_checks(backend):
             (early + late).backward()
         return [W.grad, b.grad, x2.grad], seen
 
-    ca.ops._install_calls(native, counting)
-    try:
+    with _python_calls() as python_calls:
         for step in range(2):
             (got, got_seen), (want, want_seen) = run(True, step), run(False, step)
             assert_grads_equal(got, want, what=f"step {step}")
             assert got_seen == pytest.approx(want_seen, rel=1e-5, abs=1e-6)
-        assert python_calls == [], python_calls  # the capture traced them; the hit ran them natively
-        for compiled in (False, True):
-            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-                run(compiled, 2)
-    finally:
-        ca.ops._install_calls(native)
+    assert python_calls == [], python_calls  # the capture traced them; the hit ran them natively
+    for compiled in (False, True):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            run(compiled, 2)
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 2, 0), s
     assert sorted(_slot_kinds()) == [ca.ops.ACCUMULATE] * 2 + [ca.ops.HOOKED_ACCUMULATE]  # b, x2; W
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_hook_and_node_calls_run_in_the_helper(backend):
+    # NOTE [Calls in the helper]: tensor hooks on activations (one keeps what it returns),
+    # a module's full backward hook (its pre- and post-hook calls) and an opaque node run
+    # without Python's _run_call, and every hook observes what it observes in eager
+    kept = []
+
+    def build(log, step):
+        torch.manual_seed(0)
+        lin = nn.Linear(4, 4)
+        lin.register_full_backward_hook(lambda m, gi, go: log.append(("module", gi[0].clone(), go[0].clone())))
+        torch.manual_seed(step)
+        x = leaf(3, 4)
+        h = lin(x).tanh()
+        h.register_hook(lambda g: log.append(("h", g.clone())))
+        k = h * 2.0  # MulBackward0: opaque
+
+        def keep(g):
+            kept.append(g * 3)
+            return kept[-1]
+
+        k.register_hook(keep)
+        return k.pow(2).sum(), [x, *lin.parameters()]
+
+    with _python_calls() as python_calls:
+        observe(build, backend=backend, background=False, opaque=("MulBackward0",), n_opaque=1)
+    assert python_calls == [], python_calls
+    assert {ca.ops.TENSOR_PRE_HOOKS, ca.ops.NODE} <= set(_slot_kinds()), _slot_kinds()
+    # what `keep` returned and kept: the compiled graph read it and wrote nothing into it
+    torch.testing.assert_close(kept[-1], kept[-2])

@@ -444,26 +444,26 @@ with warnings.catch_warnings():
 _op._compiled_autograd_direct = call_direct
 DIRECT_KERNEL_NAME = "torch.ops.compiled_autograd.call.default._compiled_autograd_direct"
 
-# NOTE [Leaf calls in the helper]
-# A call out of compiled code costs its Python: the frame of call_direct and
-# _run_call, slicing the arguments, the grad-mode and dispatch-key checks, the
-# checks after it. For the calls a hooked or DDP-style backward makes once per
-# parameter (ACCUMULATE, HOOKED_ACCUMULATE) that was most of a hook's cost
-# against eager (~12 us a call against ~5 us of the hook itself). So the
-# compiled code calls the native helper's call_direct, which takes those two
-# kinds through the same steps as _run_call, in C++: the replay's frame is
-# pushed to the helper as well (replaying), and every other call, a call off
-# the fast path (grad mode on, a dispatch mode active), one with undefined-grad
-# flags, or one whose thread excludes other dispatch
-# keys than the backward call did, goes to call_direct or _run_call here as
-# before. Errors are raised by the same functions here (_hooks_added_error,
-# _check_versions, _check_ctx, _shared_modified_error).
+# NOTE [Calls in the helper]
+# A call out of compiled code costs its Python: the frames of call_direct,
+# _run_call, _run_slot and _conform, slicing the arguments, the grad-mode and
+# dispatch-key checks, the checks after it. That was most of a hook's cost
+# against eager (a clamping hook on a parameter: ~12 us a call against eager's
+# ~5 us; a hook on an activation ~22 us more than eager). So the compiled code
+# calls the native helper's call_direct, which takes AccumulateGrad, hook and
+# opaque-node calls through the same steps as _run_call, in C++, and raises
+# through the same functions here (_hooks_added_error, _check_versions,
+# _check_ctx, _shared_modified_error, _conform for what it rejects): the
+# replay's frame is pushed to the helper as well (replaying). An unpack call,
+# a call off the fast path (grad mode on, a dispatch mode active), or one whose
+# thread excludes other dispatch keys than the backward call did, goes to
+# call_direct or _run_call here.
 direct = call_direct  # what compiled code calls: the helper's, once loaded (_native)
 _native_module = None
 
 
 def _native():
-    """The native helper, with its direct call installed (NOTE [Leaf calls in the helper])."""
+    """The native helper, with its direct call installed (NOTE [Calls in the helper])."""
     global _native_module, direct
     if _native_module is None:
         from . import native
@@ -482,8 +482,10 @@ def _install_calls(mod, run_call=None) -> None:
         {
             "call_direct": call_direct,
             "run_call": run_call or _run_call,
-            "accumulate": ACCUMULATE,
-            "hooked_accumulate": HOOKED_ACCUMULATE,
+            "kinds": [TENSOR_PRE_HOOKS, PRE_HOOKS, POST_HOOKS, NODE, ACCUMULATE, HOOKED_ACCUMULATE],
+            "dtypes": _DTYPES,
+            "device_types": _DEVICE_TYPES,
+            "conform_error": _conform_error,
             "check_versions": _check_versions,
             "check_ctx": _check_ctx,
             "hooks_added_error": _hooks_added_error,
@@ -600,6 +602,12 @@ def _conform(kind, capture, node, mask, outs, keep, metas, flags):
     if flags & DEFINEDNESS:
         result.append(torch.tensor(present, dtype=torch.bool))
     return result
+
+
+def _conform_error(kind, capture, node, mask, outs, sizes, ranks, dtypes, devices, flags):
+    """_conform's error for outputs the native helper's conform rejected."""
+    _conform(kind, capture, node, mask, outs, (), list(_unpack_meta(sizes, ranks, dtypes, devices)), flags)
+    raise AssertionError("compiled_autograd: the helper rejected outputs that _conform accepts")
 
 
 def _sole_owner(t: torch.Tensor) -> bool:

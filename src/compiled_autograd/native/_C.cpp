@@ -27,6 +27,7 @@
 #include <torch/extension.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/edge.h>
@@ -1612,10 +1613,10 @@ class GraphCapture {
 };
 
 // ---------------------------------------------------------------------------
-// The call from compiled code, for AccumulateGrad (NOTE [Leaf calls in the
-// helper] in ops.py): ops._run_call's steps for an ACCUMULATE or
-// HOOKED_ACCUMULATE slot, without a Python frame; every other call, and every
-// case these steps do not cover, goes to the Python functions installed here.
+// The call from compiled code (NOTE [Calls in the helper] in ops.py):
+// ops._run_call's steps for AccumulateGrad, hook and opaque-node calls, without
+// a Python frame; an unpack call, and every case these steps do not cover, goes
+// to the Python functions installed here.
 // ---------------------------------------------------------------------------
 struct ReplayFrame {
   py::tuple frame; // ops.replaying.frame: (capture, slots, outside, hooks, steal, keep, versions, ctx, releases)
@@ -1628,11 +1629,18 @@ struct ReplayFrame {
 
 static thread_local std::vector<ReplayFrame> replay_frames;
 
+// the slot kinds (ops.py), as this file numbers them
+enum CallKind : int { CALL_OTHER = -1, CALL_TENSOR_PRE_HOOKS = 0, CALL_PRE_HOOKS, CALL_POST_HOOKS, CALL_NODE, CALL_ACCUMULATE, CALL_HOOKED_ACCUMULATE };
+static constexpr int kStage[] = {0, 1, 2, 2, 2, 0}; // ops._STAGE
+static constexpr int64_t kDefinedness = 1, kKeepsInputs = 2, kPassesShift = 8; // ops.DEFINEDNESS, ...
+
 struct CallFallbacks {
   py::object call_direct; // ops.call_direct: any call not on the fast path
   py::object run_call; // ops._run_call: a call on the fast path these steps do not take
-  py::object accumulate, hooked_accumulate; // the slot kinds taken here
-  py::object check_versions, check_ctx, hooks_added_error, shared_modified_error;
+  std::vector<py::object> kinds; // the slot kinds, in CallKind's order
+  std::vector<at::ScalarType> dtypes; // ops._DTYPES
+  std::vector<c10::DeviceType> device_types; // ops._DEVICE_TYPES
+  py::object check_versions, check_ctx, hooks_added_error, shared_modified_error, conform_error;
 };
 
 static CallFallbacks& fallbacks() {
@@ -1644,12 +1652,23 @@ static void install_calls(py::dict fns) {
   auto& f = fallbacks();
   f.call_direct = fns["call_direct"];
   f.run_call = fns["run_call"];
-  f.accumulate = fns["accumulate"];
-  f.hooked_accumulate = fns["hooked_accumulate"];
+  f.kinds.clear();
+  for (auto k : py::list(fns["kinds"])) {
+    f.kinds.push_back(py::reinterpret_borrow<py::object>(k));
+  }
+  f.dtypes.clear();
+  for (auto d : py::list(fns["dtypes"])) {
+    f.dtypes.push_back(reinterpret_cast<THPDtype*>(d.ptr())->scalar_type);
+  }
+  f.device_types.clear();
+  for (auto d : py::list(fns["device_types"])) {
+    f.device_types.push_back(c10::Device(d.cast<std::string>()).type());
+  }
   f.check_versions = fns["check_versions"];
   f.check_ctx = fns["check_ctx"];
   f.hooks_added_error = fns["hooks_added_error"];
   f.shared_modified_error = fns["shared_modified_error"];
+  f.conform_error = fns["conform_error"];
 }
 
 static void push_replay(py::tuple frame, py::list nodes) {
@@ -1668,17 +1687,131 @@ static void pop_replay() {
   replay_frames.pop_back();
 }
 
-static int64_t version_of(PyObject* t) {
-  return THPVariable_Unpack(t)._version();
+static const at::Tensor& tensor_at(PyObject* list, Py_ssize_t i) {
+  return THPVariable_Unpack(PyList_GET_ITEM(list, i));
+}
+
+static py::object wrap(at::Tensor t) {
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t)));
+}
+
+static int call_kind(py::handle kind) {
+  const auto& kinds = fallbacks().kinds;
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    if (kind.ptr() == kinds[i].ptr()) {
+      return static_cast<int>(i);
+    }
+  }
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    if (kind.equal(kinds[i])) {
+      return static_cast<int>(i);
+    }
+  }
+  return CALL_OTHER;
+}
+
+// Whether `t` (ours) is the only reference to its tensor and storage (ops._sole_owner). A
+// tensor made in Python keeps its PyObject while C++ refers to it (that PyObject's reference
+// counts in use_count, and the PyObject is referenced by the tensor while use_count > 1):
+// then it is ours alone when nothing in Python refers to that PyObject.
+static bool sole_owner(const at::Tensor& t) {
+  PyObject* obj = t.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj();
+  bool alone = obj == nullptr ? t.use_count() == 1 : (t.use_count() == 2 && Py_REFCNT(obj) == 1);
+  return alone && t.has_storage() && t.storage().use_count() == 1;
+}
+
+// The outputs of a hook or node call as the graph expects them (ops._conform): per output
+// traced as defined (`mask`), the tensor, contiguous and without lazy conj/neg bits, copied
+// unless the graph's code is its only owner or it is one of `keep`; zeros where it is None;
+// then, with DEFINEDNESS, which were defined. Anything else: ops._conform's error.
+static py::list conform(
+    int kind,
+    ReplayFrame& f,
+    py::handle kind_obj,
+    py::handle node_obj,
+    py::handle mask,
+    std::vector<std::optional<at::Tensor>> outs,
+    const std::vector<at::Tensor>& keep,
+    const py::list& sizes,
+    const py::list& ranks,
+    const py::list& dtypes,
+    const py::list& devices,
+    int64_t flags) {
+  auto& fb = fallbacks();
+  auto n_mask = static_cast<size_t>(PyTuple_GET_SIZE(mask.ptr()));
+  auto fail = [&]() {
+    py::list given;
+    for (auto& o : outs) {
+      given.append(o.has_value() && o->defined() ? wrap(*o) : py::none());
+    }
+    fb.conform_error(kind_obj, py::handle(f.frame[0]), node_obj, mask, given, sizes, ranks, dtypes, devices, flags);
+    throw std::runtime_error("compiled_autograd: ops._conform accepted what the helper did not");
+  };
+  if (outs.size() < n_mask) {
+    outs.resize(n_mask);
+  }
+  py::list result;
+  std::vector<bool> present;
+  Py_ssize_t pos = 0, meta = 0;
+  for (size_t i = 0; i < n_mask; ++i) {
+    bool traced = PyTuple_GET_ITEM(mask.ptr(), i) == Py_True;
+    bool defined = outs[i].has_value() && outs[i]->defined();
+    if (!traced) {
+      if (defined && kind != CALL_NODE) {
+        fail(); // a hook made a None grad defined
+      }
+      continue;
+    }
+    auto rank = ranks[meta].cast<Py_ssize_t>();
+    std::vector<int64_t> shape;
+    for (Py_ssize_t r = 0; r < rank; ++r) {
+      shape.push_back(sizes[pos + r].cast<int64_t>());
+    }
+    pos += rank;
+    auto dtype = fb.dtypes.at(dtypes[meta].cast<size_t>());
+    auto dev = devices[meta].cast<int64_t>();
+    auto index = static_cast<c10::DeviceIndex>(dev % 1024 - 1);
+    c10::Device device(fb.device_types.at(static_cast<size_t>(dev / 1024)), index);
+    ++meta;
+    if (!defined) {
+      present.push_back(false);
+      result.append(wrap(at::zeros(shape, at::TensorOptions().dtype(dtype).device(device))));
+      continue;
+    }
+    at::Tensor o = std::move(*outs[i]);
+    outs[i].reset();
+    if (o.sizes() != c10::IntArrayRef(shape) || o.scalar_type() != dtype || o.device() != device) {
+      outs[i] = std::move(o);
+      fail();
+    }
+    present.push_back(true);
+    o = o.resolve_conj().resolve_neg().contiguous();
+    bool kept = std::any_of(keep.begin(), keep.end(), [&](const at::Tensor& a) {
+      return a.unsafeGetTensorImpl() == o.unsafeGetTensorImpl();
+    });
+    if (!kept && !sole_owner(o)) {
+      o = o.clone();
+    }
+    result.append(wrap(std::move(o)));
+  }
+  if (flags & kDefinedness) {
+    auto flags_t = at::empty({static_cast<int64_t>(present.size())}, at::TensorOptions().dtype(at::kBool));
+    auto* data = flags_t.data_ptr<bool>();
+    for (size_t i = 0; i < present.size(); ++i) {
+      data[i] = present[i];
+    }
+    result.append(wrap(std::move(flags_t)));
+  }
+  return result;
 }
 
 static py::object call_direct(
     int64_t slot,
     py::list args,
-    py::object sizes,
-    py::object ranks,
-    py::object dtypes,
-    py::object devices,
+    py::list sizes,
+    py::list ranks,
+    py::list dtypes,
+    py::list devices,
     int64_t flags) {
   auto& fb = fallbacks();
   if (at::GradMode::is_enabled() || c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
@@ -1688,24 +1821,25 @@ static py::object call_direct(
   if (replay_frames.empty()) {
     return python();
   }
-  ReplayFrame& f = replay_frames.back();
+  ReplayFrame f = replay_frames.back(); // (a copy: a hook's nested backward pushes and pops frames)
   py::tuple s = py::reinterpret_borrow<py::tuple>(py::handle(f.frame[1])[py::int_(slot)]);
   // Slot: (kind, node, mask, in_flags, fresh, n_after, shared, n_watch)
-  py::handle kind = s[0];
-  bool hooked = kind.equal(fb.hooked_accumulate);
-  if ((!hooked && !kind.equal(fb.accumulate)) || PyObject_IsTrue(s[3].ptr()) ||
-      c10::impl::tls_local_dispatch_key_set().excluded_ != f.outside) {
+  py::handle kind_obj = s[0];
+  int kind = call_kind(kind_obj);
+  if (kind == CALL_OTHER || c10::impl::tls_local_dispatch_key_set().excluded_ != f.outside) {
     return python();
   }
   py::object node_obj = s[1];
   auto node = node_obj.cast<size_t>();
+  py::handle mask = s[2];
+  bool in_flags = PyObject_IsTrue(s[3].ptr());
   bool fresh = PyObject_IsTrue(s[4].ptr());
   auto n_after = s[5].cast<Py_ssize_t>();
   py::tuple shared = s[6];
   auto n_watch = s[7].cast<Py_ssize_t>();
-  // the arguments: the call's own, n_after that order it, n_watch saved tensors it checks,
-  // n_passed graph inputs it returns (ops._run_call)
-  Py_ssize_t n_passed = flags >> 8; // (ops.PASSES_SHIFT)
+  // the arguments: the call's own (then, with in_flags, which are defined), n_after that
+  // only order it, n_watch saved tensors it checks, n_passed graph inputs it returns
+  Py_ssize_t n_passed = flags >> kPassesShift;
   Py_ssize_t end_watch = PyList_GET_SIZE(args.ptr()) - n_passed;
   Py_ssize_t n = end_watch - n_watch - n_after;
   PyObject* last = PyList_GET_ITEM(f.nodes.ptr(), f.pos);
@@ -1719,25 +1853,76 @@ static py::object call_direct(
   std::vector<int64_t> before;
   for (auto i : shared) {
     PyObject* a = PyList_GET_ITEM(args.ptr(), i.cast<Py_ssize_t>());
-    before.push_back(a == Py_None ? 0 : version_of(a));
+    before.push_back(a == Py_None ? 0 : THPVariable_Unpack(a)._version());
   }
-  PyObject* grad = n > 0 ? PyList_GET_ITEM(args.ptr(), 0) : Py_None;
-  bool defined = grad != Py_None;
-  if (defined && n > 1) { // (its definedness, a bool tensor: ops._accumulate)
-    PyObject* d = PyList_GET_ITEM(args.ptr(), 1);
-    defined = d == Py_None || THPVariable_Unpack(d).item<bool>();
+  // the call's arguments, None where undefined
+  std::vector<PyObject*> given;
+  if (in_flags) {
+    at::Tensor defined = tensor_at(args.ptr(), n - 1).to(at::kCPU).to(at::kBool).contiguous();
+    const bool* d = defined.data_ptr<bool>();
+    for (Py_ssize_t i = 0; i < n - 1; ++i) {
+      given.push_back(d[i] ? PyList_GET_ITEM(args.ptr(), i) : Py_None);
+    }
+  } else {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      given.push_back(PyList_GET_ITEM(args.ptr(), i));
+    }
   }
-  if (defined) {
-    f.capture->accumulate_graph_grad(node, THPVariable_Unpack(grad), hooked, fresh ? f.steal : nullptr);
+  py::list outs;
+  if (kind == CALL_ACCUMULATE || kind == CALL_HOOKED_ACCUMULATE) {
+    // (a second argument: its definedness, a bool tensor: ops._accumulate)
+    bool defined = !given.empty() && given[0] != Py_None &&
+        (given.size() < 2 || given[1] == Py_None || THPVariable_Unpack(given[1]).item<bool>());
+    if (defined) {
+      f.capture->accumulate_graph_grad(
+          node, THPVariable_Unpack(given[0]), kind == CALL_HOOKED_ACCUMULATE, fresh ? f.steal : nullptr);
+    }
+  } else {
+    std::vector<std::optional<at::Tensor>> inputs;
+    std::vector<Py_ssize_t> refcounts; // a hook that keeps its grad: never steal it (ops._run_call)
+    for (PyObject* a : given) {
+      inputs.emplace_back(a == Py_None ? std::nullopt : std::optional<at::Tensor>(THPVariable_Unpack(a)));
+      refcounts.push_back(Py_REFCNT(a));
+    }
+    std::vector<std::optional<at::Tensor>> results;
+    if (kind == CALL_TENSOR_PRE_HOOKS) {
+      results = f.capture->call_tensor_pre_hooks(node, inputs);
+    } else if (kind == CALL_PRE_HOOKS) {
+      results = f.capture->call_pre_hooks(node, inputs);
+    } else if (kind == CALL_POST_HOOKS) {
+      auto split = inputs.begin() + PyTuple_GET_SIZE(mask.ptr());
+      results = f.capture->call_post_hooks(
+          node, std::vector<std::optional<at::Tensor>>(inputs.begin(), split), std::vector<std::optional<at::Tensor>>(split, inputs.end()));
+    } else {
+      results = f.capture->call_node(node, inputs);
+    }
+    if (f.steal != nullptr) {
+      for (size_t i = 0; i < given.size(); ++i) {
+        if (given[i] != Py_None && Py_REFCNT(given[i]) > refcounts[i]) {
+          f.steal->add(*inputs[i]);
+        }
+      }
+    }
+    std::vector<at::Tensor> keep; // the call's inputs nothing else in the graph reads (ops._run_slot)
+    if (PyObject_IsTrue(f.frame[5].ptr()) && (flags & kKeepsInputs)) {
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        bool is_shared = std::any_of(shared.begin(), shared.end(), [&](py::handle j) { return j.cast<size_t>() == i; });
+        if (inputs[i].has_value() && !is_shared) {
+          keep.push_back(*inputs[i]);
+        }
+      }
+    }
+    inputs.clear();
+    outs = conform(kind, f, kind_obj, node_obj, mask, std::move(results), keep, sizes, ranks, dtypes, devices, flags);
   }
-  if (f.capture->hooks_added(node, hooked ? 0 : 2)) { // (ops._STAGE)
-    fb.hooks_added_error(kind, py::handle(f.frame[0]), node_obj);
+  if (f.capture->hooks_added(node, kStage[kind])) {
+    fb.hooks_added_error(kind_obj, py::handle(f.frame[0]), node_obj);
   }
   if (n_watch > 0) {
     py::list expected = py::handle(f.frame[6])[py::int_(slot)];
     Py_ssize_t start = end_watch - n_watch;
     for (Py_ssize_t k = 0; k < n_watch; ++k) {
-      if (version_of(PyList_GET_ITEM(args.ptr(), start + k)) != expected[k].cast<int64_t>()) {
+      if (tensor_at(args.ptr(), start + k)._version() != expected[k].cast<int64_t>()) {
         py::list watched;
         for (Py_ssize_t j = 0; j < n_watch; ++j) {
           watched.append(py::handle(PyList_GET_ITEM(args.ptr(), start + j)));
@@ -1752,9 +1937,9 @@ static py::object call_direct(
   }
   size_t k = 0;
   for (auto i : shared) {
-    PyObject* a = PyList_GET_ITEM(args.ptr(), i.cast<Py_ssize_t>());
-    if (a != Py_None && version_of(a) != before[k]) {
-      fb.shared_modified_error(kind, py::handle(f.frame[0]), node_obj);
+    PyObject* a = given.at(i.cast<size_t>());
+    if (a != Py_None && THPVariable_Unpack(a)._version() != before[k]) {
+      fb.shared_modified_error(kind_obj, py::handle(f.frame[0]), node_obj);
     }
     ++k;
   }
@@ -1762,13 +1947,12 @@ static py::object call_direct(
   if (!releases.is_none() && PyDict_Contains(releases.ptr(), py::int_(slot).ptr()) == 1) {
     f.capture->release_nodes(releases[py::int_(slot)].cast<std::vector<int64_t>>());
   }
-  py::list outs;
-  bool keep = PyObject_IsTrue(f.frame[5].ptr());
-  for (Py_ssize_t k = end_watch; k < end_watch + n_passed; ++k) {
+  bool keep_passed = PyObject_IsTrue(f.frame[5].ptr());
+  for (Py_ssize_t i = end_watch; i < end_watch + n_passed; ++i) {
     // graph inputs read after the call, as it leaves them; a user's backend may reuse an
     // output's buffer: a copy
-    PyObject* t = PyList_GET_ITEM(args.ptr(), k);
-    outs.append(keep ? py::handle(t) : py::reinterpret_steal<py::object>(THPVariable_Wrap(THPVariable_Unpack(t).clone())));
+    PyObject* t = PyList_GET_ITEM(args.ptr(), i);
+    outs.append(keep_passed ? py::reinterpret_borrow<py::object>(t) : wrap(THPVariable_Unpack(t).clone()));
   }
   return outs;
 }
