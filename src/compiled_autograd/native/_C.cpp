@@ -723,6 +723,23 @@ class GraphCapture {
     return out;
   }
 
+  // Whether a saved tensor of one of these custom Function nodes has saved-tensor hooks (its
+  // unpack hook runs when Python reads ctx.saved_tensors).
+  bool pynodes_have_saved_hooks(const std::vector<size_t>& idxs) const {
+    for (auto i : idxs) {
+      auto obj = node_object(i);
+      if (!THPFunction_Check(obj.ptr())) {
+        return true; // (not ours to judge: as if it had)
+      }
+      for (const auto& sv : reinterpret_cast<THPFunction*>(obj.ptr())->saved_variables) {
+        if (sv.has_hooks()) {
+          return true;
+        }
+      }
+    }
+    return false;
+  }
+
   // the defined `.grad` of each leaf whose AccumulateGrad runs in this backward
   std::vector<at::Tensor> accumulated_grads() const {
     std::vector<at::Tensor> out;
@@ -2039,6 +2056,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("node_object", &GraphCapture::node_object)
       .def("node_name", &GraphCapture::node_name)
       .def("pynode_indices", &GraphCapture::pynode_indices)
+      .def("pynodes_have_saved_hooks", &GraphCapture::pynodes_have_saved_hooks)
       .def("accumulated_grads", &GraphCapture::accumulated_grads)
       .def("roots", &GraphCapture::roots)
       .def("input_metadata", &GraphCapture::input_metadata)
