@@ -1849,6 +1849,9 @@ static py::object call_direct(
   py::object node_obj = s[1];
   auto node = node_obj.cast<size_t>();
   py::handle mask = s[2];
+  if (!PyTuple_Check(mask.ptr())) {
+    return python();
+  }
   bool in_flags = PyObject_IsTrue(s[3].ptr());
   bool fresh = PyObject_IsTrue(s[4].ptr());
   auto n_after = s[5].cast<Py_ssize_t>();
