@@ -87,3 +87,40 @@ def test_second_process_skips_the_trace(tmp_path):
     env = dict(os.environ, COMPILED_AUTOGRAD_GRAPH_DIR=str(tmp_path), COMPILED_AUTOGRAD_DISK_CACHE="1")
     out = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout.split()[-2:] for _ in range(2)]
     assert out == [["1", "0"], ["0", "1"]]
+
+
+def test_second_process_gets_inductors_code_from_its_cache(tmp_path):
+    # NOTE [Inductor's FX graph cache for our graphs]: the second process loads the graph
+    # (no trace) and inductor's generated code (an FX graph cache hit: no lowering, no
+    # codegen); both processes' compiled backwards match eager, on a hit too
+    script = textwrap.dedent(
+        """
+        import torch, torch.nn as nn, compiled_autograd as ca
+        from torch._dynamo.utils import counters
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 2))
+        params = list(model.parameters())
+        ok = True
+        for step in range(2):
+            x = torch.randn(4, 8)
+            for p in params:
+                p.grad = None
+            model(x).pow(2).mean().backward()
+            want = [p.grad.clone() for p in params]
+            for p in params:
+                p.grad = None
+            with ca.enable("inductor", background=False):
+                model(x).pow(2).mean().backward()
+            ok = ok and all(torch.allclose(p.grad, w, rtol=1e-4, atol=1e-6) for p, w in zip(params, want))
+        s = ca.stats()
+        print(ok, s.captures, s.disk_hits, s.hits, counters["inductor"]["fxgraph_cache_hit"])
+        """
+    )
+    env = dict(
+        os.environ,
+        COMPILED_AUTOGRAD_GRAPH_DIR=str(tmp_path / "graphs"),
+        COMPILED_AUTOGRAD_DISK_CACHE="1",
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+    )
+    out = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout.split()[-5:] for _ in range(2)]
+    assert out == [["True", "1", "0", "1", "0"], ["True", "0", "1", "1", "1"]], out

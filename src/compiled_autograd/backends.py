@@ -292,8 +292,14 @@ def compile_graph(
             # graph is only ever called with the geometry it was compiled for.
             with inductor_config.patch({"size_asserts": False, **(patches or {})}), (
                 _size_class_agnostic_reductions() if dynamic else contextlib.nullcontext()
-            ):
-                return _compile_boxed(compile_fx, gm, example_inputs)
+            ), _cache_tag(dynamic) as tagged:
+                static = _static_fake_mode(example_inputs) if tagged and not dynamic else None
+                if static is None:
+                    return _compile_boxed(compile_fx, gm, example_inputs)
+                # NOTE [Inductor's FX graph cache for our graphs]
+                mode, fakes = static
+                with torch._guards.tracing(torch._guards.TracingContext(mode)):
+                    return _compile_boxed(compile_fx, gm, fakes)
         return backend(gm, list(example_inputs))
 
 
@@ -364,7 +370,7 @@ def _size_class_agnostic_reductions():
 
     CppKernel.need_use_acc_helper = need_use_acc_helper
     try:
-        with _symbolic_range_simplification(), _cache_tag():
+        with _symbolic_range_simplification():
             yield
     finally:
         CppKernel.need_use_acc_helper = original
@@ -453,27 +459,69 @@ def _drop_range_identities(sizevars, expr, var_ranges, sympy, FloorDiv, ModularI
     return expr
 
 
+@functools.lru_cache(maxsize=None)
+def _code_digest() -> str:
+    """A digest of the code that shapes what inductor makes of our graphs (our lowering of
+    the call, the codegen patches here, the call's kernel)."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    for name in ("backends.py", "ops.py"):
+        h.update((Path(__file__).with_name(name)).read_bytes())
+    return h.hexdigest()[:16]
+
+
 @contextlib.contextmanager
-def _cache_tag():
-    """Keep inductor's on-disk caches from mixing graphs compiled with and
-    without the change above: a no-op custom pass whose uuid enters the key."""
+def _cache_tag(dynamic: bool):
+    """Keep inductor's on-disk caches (its FX graph cache, keyed by the graph and its
+    config) from serving code compiled by another version of our lowering and codegen
+    patches, or for the other kind of graph: a no-op custom pass whose uuid enters the key.
+    Yields whether it could (not when the user set a post-grad pass of their own)."""
     from torch._inductor import config
 
     if config.post_grad_custom_post_pass is not None:
-        yield
+        yield False
         return
     try:
         from torch._inductor.custom_graph_pass import CustomGraphPass
     except ImportError:  # pragma: no cover
-        yield
+        yield False
         return
+
+    tag = f"compiled_autograd {_code_digest()}: " + (
+        "dynamic: size-class agnostic reductions, range-proven index identities" if dynamic else "static"
+    )
 
     class _Tag(CustomGraphPass):
         def __call__(self, graph):
             return None
 
         def uuid(self):
-            return "compiled_autograd: size-class agnostic reductions, range-proven index identities v2"
+            return tag
 
     with config.patch(post_grad_custom_post_pass=_Tag()):
-        yield
+        yield True
+
+
+def _static_fake_mode(example_inputs: Sequence):
+    """NOTE [Inductor's FX graph cache for our graphs]
+    Inductor stores the code it generates for a graph in its FX graph cache, and a
+    later process with the same graph skips lowering and codegen (and g++). It only
+    does when the compile runs in a tracing context whose fake mode has a ShapeEnv
+    (its guards live there); compile_fx called on real tensors makes a fake mode
+    without one, and the cache was bypassed ("No shape env"): a warm process spent
+    2-3 s per graph regenerating code. A static graph is compiled against fakes of a
+    mode with a ShapeEnv and static shapes: no symbol is made, so the cache's guards
+    are trivially true (and AOT's float-tensorify pass finds no float symbol to
+    restart on). Returns that mode and the fakes, or None when the inputs are fakes
+    of a mode without a ShapeEnv."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = detect_fake_mode(list(example_inputs))
+    if mode is not None:
+        return (mode, list(example_inputs)) if mode.shape_env is not None else None
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    return mode, [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t for t in example_inputs]

@@ -297,13 +297,14 @@ def _unpacked_up_front(collected) -> dict:
 
 
 def _static_fakes(tensors):
-    """Fake copies for a static graph's background compile: no ShapeEnv (with
-    one, aot's scalar-tensorify pass wants to restart a dynamo analysis), and
-    no reference to the user's tensors."""
+    """Fake copies for a static graph's background compile (no reference to the user's
+    tensors): static shapes, in a mode with a ShapeEnv for inductor's FX graph cache
+    (NOTE [Inductor's FX graph cache for our graphs], backends.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    mode = FakeTensorMode()
-    return [mode.from_tensor(t) for t in tensors]
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    return [mode.from_tensor(t, static_shapes=True) for t in tensors]
 
 
 def _example_inputs(captured, collected):
