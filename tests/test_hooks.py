@@ -1295,3 +1295,49 @@ def test_hook_and_node_calls_run_in_the_helper(backend):
     assert {ca.ops.TENSOR_PRE_HOOKS, ca.ops.NODE} <= set(_slot_kinds()), _slot_kinds()
     # what `keep` returned and kept: the compiled graph read it and wrote nothing into it
     torch.testing.assert_close(kept[-1], kept[-2])
+
+
+def test_hooked_backwards_in_two_threads_each_use_their_own_replay():
+    # NOTE [Calls in the helper]: the helper's replay frames are per thread, as ops._replay is:
+    # two threads running compiled backwards with hook calls at once each get their own results
+    import threading
+
+    def make(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        for p in model.parameters():
+            p.register_hook(lambda g: g * 2.0)
+        model[0].register_full_backward_hook(lambda m, gi, go: None)
+        return model
+
+    def grads(model, x, compiled):
+        model.zero_grad(set_to_none=True)
+        h = model(x)
+        h.register_hook(lambda g: g + 1.0)
+        if compiled:
+            with ca.enable("aot_eager", fullgraph=True, background=False):
+                h.pow(2).sum().backward()
+        else:
+            h.pow(2).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    errors = []
+
+    def worker(seed):
+        try:
+            model = make(seed)
+            for step in range(20):
+                torch.manual_seed(seed * 100 + step)
+                x = torch.randn(4, 8)
+                assert_grads_equal(grads(model, x, True), grads(model, x, False), what=f"thread {seed} step {step}")
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    s = ca.stats()
+    assert s.eager_fallbacks == 0 and s.hits >= 36, s
