@@ -1340,4 +1340,4 @@ def test_hooked_backwards_in_two_threads_each_use_their_own_replay():
         t.join()
     assert not errors, errors
     s = ca.stats()
-    assert s.eager_fallbacks == 0 and s.hits >= 36, s
+    assert s.eager_fallbacks == 0 and s.captures <= 2 and s.hits >= 36, s  # (both may capture at once)

@@ -514,14 +514,16 @@ def _static_fake_mode(example_inputs: Sequence):
     2-3 s per graph regenerating code. A static graph is compiled against fakes of a
     mode with a ShapeEnv and static shapes: no symbol is made, so the cache's guards
     are trivially true (and AOT's float-tensorify pass finds no float symbol to
-    restart on). Returns that mode and the fakes, or None when the inputs are fakes
-    of a mode without a ShapeEnv."""
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    restart on). Returns that mode and the fakes, or None when the inputs are not all
+    real tensors or all fakes of one mode with a ShapeEnv (then compile as before)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    mode = detect_fake_mode(list(example_inputs))
-    if mode is not None:
-        return (mode, list(example_inputs)) if mode.shape_env is not None else None
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    fakes = [t for t in tensors if isinstance(t, FakeTensor)]
+    if fakes:
+        mode = fakes[0].fake_mode
+        ok = len(fakes) == len(tensors) and mode.shape_env is not None and all(t.fake_mode is mode for t in fakes)
+        return (mode, list(example_inputs)) if ok else None
     mode = FakeTensorMode(shape_env=ShapeEnv())
     return mode, [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t for t in example_inputs]

@@ -149,11 +149,14 @@ class replaying:
         self.frame = (capture, slots, torch._C._dispatch_tls_local_exclude_set(), hooks, steal, keep, versions, ctx, releases)
 
     def __enter__(self):
-        native = _native()
+        _replay.nodes.append(None)
+        try:
+            _native().push_replay(self.frame, _replay.nodes)
+        except BaseException:  # nothing pushed: leave both stacks as they were
+            _replay.nodes.pop()
+            raise
         _replay.stack.append(self.frame)
         _replay.tasks.append(self.task)
-        _replay.nodes.append(None)
-        native.push_replay(self.frame, _replay.nodes)
 
     def __exit__(self, *exc):
         _native().pop_replay()
