@@ -491,3 +491,70 @@ def test_in_graph_task_is_a_new_graph_task_each_time_nests_and_survives_errors()
     in_graph_task(lambda: torch.autograd.Variable._execution_engine.queue_callback(lambda: called.append(task_id())))
     assert len(called) == 1 and called[0] != -1
     assert torch.is_grad_enabled()  # the caller's grad mode is untouched
+
+
+def _mlp_step(model, x, compiled, **kwargs):
+    for p in model.parameters():
+        p.grad = None
+    loss = model(x).tanh().sum()
+    with ca.enable("eager", **kwargs) if compiled else contextlib.nullcontext():
+        loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_untested_torch_runs_every_backward_in_eager(monkeypatch):
+    """NOTE [Torch versions]: on a torch release the suite has not run against, the helper does
+    not load: every backward runs in eager, right, counted with the reason; fullgraph raises."""
+    from compiled_autograd import native
+
+    assert native.version_problem("2.13.0+cpu") is None
+    why = native.version_problem("2.11.0+cu130")
+    assert "2.11.0+cu130" in why and "COMPILED_AUTOGRAD_UNTESTED_TORCH" in why
+    monkeypatch.setenv("COMPILED_AUTOGRAD_UNTESTED_TORCH", "1")
+    assert native.version_problem("2.11.0") is None
+    monkeypatch.delenv("COMPILED_AUTOGRAD_UNTESTED_TORCH")
+
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_error", why)
+    ca.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    for step in range(2):
+        x = torch.randn(3, 4) + step
+        want = _mlp_step(model, x, compiled=False)
+        with pytest.warns(UserWarning, match="not a release") if step == 0 else contextlib.nullcontext():
+            got = _mlp_step(model, x, compiled=True)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    s = ca.stats()
+    assert s.captures == 0 and s.eager_fallbacks == 2 and s.fallback_reasons[why] == 2
+    with pytest.raises(ca.CompiledAutogradError, match="not a release"):
+        _mlp_step(model, torch.randn(3, 4), compiled=True, fullgraph=True)
+
+
+def test_helper_that_fails_to_build_is_tried_once_and_every_backward_runs_in_eager(monkeypatch):
+    from compiled_autograd import native
+
+    tries = []
+
+    def broken():
+        tries.append(1)
+        raise RuntimeError("Error building extension 'compiled_autograd_native'\nninja: build stopped")
+
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_error", None)
+    monkeypatch.setattr(native, "_load", broken)
+    ca.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    for step in range(2):
+        x = torch.randn(3, 4) * (step + 1)
+        want = _mlp_step(model, x, compiled=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = _mlp_step(model, x, compiled=True)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert len(tries) == 1
+    (reason,) = ca.stats().fallback_reasons
+    assert "could not be built" in reason and "Error building extension" in reason and "ninja" not in reason
+    with pytest.raises(native.Unavailable):
+        native.load()

@@ -189,7 +189,18 @@ def _register_inductor_lowering() -> None:
                     inp = operation.inputs[0]
                     if isinstance(inp, ir.IRNode) and inp.maybe_get_name() is not None:
                         _never_reuse(inp.get_name())
-        return pytree.tree_map(lambda x: x.wrap_for_lowering() if isinstance(x, ir.IRNode) else x, out)
+        return pytree.tree_map(_wrap_for_lowering, out)
+
+
+def _wrap_for_lowering(x):
+    """A fallback kernel's output as its lowering returns it (`wrap_for_lowering`, torch 2.13;
+    a TensorBox before)."""
+    from torch._inductor import ir
+
+    if not isinstance(x, ir.IRNode):
+        return x
+    wrap = getattr(x, "wrap_for_lowering", None)
+    return wrap() if wrap is not None else ir.TensorBox.create(x)
 
 
 def _never_reuse(name: str) -> None:

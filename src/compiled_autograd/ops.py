@@ -404,7 +404,7 @@ call = torch.library.custom_op("compiled_autograd::call", _call, mutates_args=()
 _lib = torch.library.Library("compiled_autograd", "FRAGMENT")
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)  # "Overriding a previously registered kernel"
-    _lib.impl("call", _call, "CompositeExplicitAutograd")
+    _lib.impl("call", _call, "CompositeExplicitAutograd", allow_override=True)
 
 
 _op = torch.ops.compiled_autograd.call.default
@@ -440,7 +440,7 @@ def call_direct(slot, args, sizes, ranks, dtypes, devices, flags):
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)  # "Overriding a previously registered kernel"
-    _lib.impl("call", _call_at_autograd, "Autograd")
+    _lib.impl("call", _call_at_autograd, "Autograd", allow_override=True)
 
 # The name inductor's generated Python code calls a call by (backends._register_inductor_lowering):
 # the direct call, reachable from the `torch` every such module imports

@@ -615,7 +615,11 @@ def _run_backward(
         pause.resume()
         return _fall_back(cfg, reason, eager, user_error)
 
-    C = native.load()
+    try:
+        C = native.load()
+    except native.Unavailable as e:  # NOTE [Torch versions] (native/__init__.py)
+        pause.resume()
+        return _fall_back(cfg, str(e), eager)
     try:
         capture = C.GraphCapture(list(roots), list(grads), list(inputs), accumulate_grad)
     except RuntimeError as e:  # misuse (freed graph, modified saved tensor): eager raises the same error

@@ -25,6 +25,8 @@
 // metadata, which is the edge metadata already in the key.
 
 #include <torch/extension.h>
+#include <torch/version.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Dtype.h>
@@ -58,6 +60,32 @@ using torch::autograd::Node;
 using torch::autograd::variable_list;
 
 namespace compiled_autograd_native {
+
+// NOTE [Torch versions] (native/__init__.py): torch 2.13 holds nodes as
+// NodePtr, earlier releases as std::shared_ptr<Node>; a
+// custom Function's THPFunction holds its node strongly (2.13) or weakly.
+using NodePtr = decltype(Edge::function);
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+static NodePtr node_of(THPFunction* f) {
+  return f->cdata;
+}
+static bool boxed_grads_call(const THPFunction* f) {
+  return f->boxed_grads_call;
+}
+static const THPFunction* function_of(const torch::autograd::PyNode* n) {
+  return reinterpret_cast<const THPFunction*>(n->pyobj());
+}
+#else
+static NodePtr node_of(THPFunction* f) {
+  return f->cdata.lock();
+}
+static bool boxed_grads_call(const THPFunction*) {
+  return false; // (no boxed grads before 2.13)
+}
+static const THPFunction* function_of(const torch::autograd::PyNode* n) {
+  return reinterpret_cast<const THPFunction*>(n->obj);
+}
+#endif
 
 // ---------------------------------------------------------------------------
 // Node kinds, decided once per C++ type
@@ -334,7 +362,7 @@ struct CompareReady {
 };
 
 struct NodeRecord {
-  c10::intrusive_ptr<Node> fn;
+  NodePtr fn;
   Kind kind = GENERIC;
   bool execute = true;
   bool opaque = false;
@@ -393,7 +421,7 @@ class NodeTable {
   }
 
   // the entry for fn, and whether it was added now
-  std::pair<Info*, bool> try_emplace(const c10::intrusive_ptr<Node>& fn) {
+  std::pair<Info*, bool> try_emplace(const NodePtr& fn) {
     if (2 * (entries_.size() + 1) > slots_.size()) {
       grow();
     }
@@ -918,7 +946,7 @@ class GraphCapture {
     TORCH_CHECK(THPFunction_Check(obj.ptr()), "not a custom Function node");
     auto* f = reinterpret_cast<THPFunction*>(obj.ptr());
     return py::make_tuple(
-        f->materialize_grads, f->materialize_non_diff_grads, f->boxed_grads_call,
+        f->materialize_grads, f->materialize_non_diff_grads, boxed_grads_call(f),
         f->is_variable_input);
   }
 
@@ -959,7 +987,7 @@ class GraphCapture {
   // trace's symbolic sizes (collected from `start`), so that validating a
   // grad of symbolic shape does not specialize it. Restored even on error.
   template <typename F>
-  void with_symbolic_edges(const c10::intrusive_ptr<Node>& fn, std::vector<Edge>& edges, size_t start, const F& f) {
+  void with_symbolic_edges(const NodePtr& fn, std::vector<Edge>& edges, size_t start, const F& f) {
     if (!state_) {
       f();
       return;
@@ -1201,7 +1229,7 @@ class GraphCapture {
   bool will_execute(py::handle obj) const {
     const Node* fn = nullptr;
     if (THPFunction_Check(obj.ptr())) {
-      fn = reinterpret_cast<THPFunction*>(obj.ptr())->cdata.get();
+      fn = node_of(reinterpret_cast<THPFunction*>(obj.ptr())).get();
     } else if (torch::autograd::THPCppFunction_Check(obj.ptr())) {
       fn = reinterpret_cast<torch::autograd::THPCppFunction*>(obj.ptr())->cdata.get();
     }
@@ -1279,9 +1307,9 @@ class GraphCapture {
     }
     auto edge = py::reinterpret_borrow<py::tuple>(obj);
     PyObject* node = edge[0].ptr();
-    c10::intrusive_ptr<Node> fn;
+    NodePtr fn;
     if (THPFunction_Check(node)) {
-      fn = reinterpret_cast<THPFunction*>(node)->cdata;
+      fn = node_of(reinterpret_cast<THPFunction*>(node));
     } else if (torch::autograd::THPCppFunction_Check(node)) {
       fn = reinterpret_cast<torch::autograd::THPCppFunction*>(node)->cdata;
     }
@@ -1472,6 +1500,10 @@ class GraphCapture {
         append_pod(key_, r.n_retains);
         continue;
       }
+      if (!on_current_streams(*fn)) {
+        fail("a node's forward ran on another stream than the backward's current one "
+             "(a compiled graph runs on one stream)");
+      }
       r.n_pre = fn->pre_hooks().size();
       r.n_post = fn->post_hooks().size();
       if (r.kind == ACCUMULATE) {
@@ -1511,7 +1543,7 @@ class GraphCapture {
         // (torch's PyNode::compiled_args collects these too); an unused output
         // has no edge whose metadata would key them. Its sizes are size inputs
         // (from size_start: a dynamic graph makes them symbolic).
-        const auto* f = reinterpret_cast<const THPFunction*>(static_cast<const torch::autograd::PyNode*>(fn.get())->pyobj());
+        const auto* f = function_of(static_cast<const torch::autograd::PyNode*>(fn.get()));
         node_args.collect_size(fn->num_inputs());
         node_args.collect(f->output_info);
       }
@@ -1542,6 +1574,38 @@ class GraphCapture {
       append_tensor_key(t);
     }
   }
+
+  // NOTE [Streams]
+  // Eager runs each node on the stream its forward op ran on (the stream in its
+  // input metadata) and syncs the streams where grads cross them. A compiled
+  // graph runs on the stream current when backward() is called: right only
+  // when every node's stream is that one (a forward and backward on one
+  // stream, the default one or a side stream, as training loops run). A node
+  // on another stream (a forward on a side stream, a backward outside it)
+  // makes the backward run in eager, with its reason.
+  bool on_current_streams(const Node& fn) {
+    for (size_t i = 0; i < fn.num_inputs(); ++i) {
+      const auto& m = fn.input_metadata(i);
+      auto device = m.device();
+      if (device.is_cpu() || device.is_meta()) {
+        continue;
+      }
+      if (!(stream_device_ && *stream_device_ == device)) {
+        try {
+          current_stream_ = c10::impl::getDeviceGuardImpl(device.type())->getStream(device);
+        } catch (const c10::Error&) {
+          return false; // a device without a stream guard: the engine's own rules then
+        }
+        stream_device_ = device;
+      }
+      if (m.stream() != *current_stream_) {
+        return false;
+      }
+    }
+    return true;
+  }
+  std::optional<c10::Device> stream_device_;
+  std::optional<c10::Stream> current_stream_;
 
   // NOTE [Edges in the key]
   // Each edge goes in the key as torch's CompiledNodeArgs::collect(Edge)
@@ -1582,8 +1646,8 @@ class GraphCapture {
   std::vector<size_t> node_key_offsets_;
   std::vector<NodeRecord> nodes_;
   struct NodeInfo {
-    explicit NodeInfo(const c10::intrusive_ptr<Node>& f) : fn(f) {}
-    c10::intrusive_ptr<Node> fn;
+    explicit NodeInfo(const NodePtr& f) : fn(f) {}
+    NodePtr fn;
     int deps = 0;
     int64_t index = -1; // position in nodes_, -1: does not run in this backward
   };
@@ -1604,7 +1668,7 @@ class GraphCapture {
   };
   std::vector<torch::autograd::SavedVariable*> hooked_svs_; // take_saved_hooks' order
   std::vector<Swapped> swapped_;
-  std::vector<c10::intrusive_ptr<Node>> swap_keepalive_; // the nodes holding those saved variables
+  std::vector<NodePtr> swap_keepalive_; // the nodes holding those saved variables
 
   void hand_over_to(torch::autograd::SavedVariable* sv, at::Tensor t, bool keep) {
     auto given = std::make_unique<GivenSavedHooks>(std::move(t));
@@ -1731,9 +1795,25 @@ static int call_kind(py::handle kind) {
 // tensor made in Python keeps its PyObject while C++ refers to it (that PyObject's reference
 // counts in use_count, and the PyObject is referenced by the tensor while use_count > 1):
 // then it is ours alone when nothing in Python refers to that PyObject.
+//
+// That convention is torch 2.13's (NOTE [Torch versions]): it is checked once, on a tensor
+// whose PyObject only this function refers to; where it does not hold (a PyObject counts
+// only its Python references), a tensor with a PyObject is never judged ours alone.
+static bool pyobj_held_by_tensor() {
+  static const bool held = [] {
+    at::Tensor t = at::empty({1});
+    PyObject* obj = THPVariable_Wrap(t); // a new reference: ours; t holds the tensor too
+    bool counted = Py_REFCNT(obj) == 2 && t.use_count() == 2;
+    Py_DECREF(obj);
+    return counted;
+  }();
+  return held;
+}
+
 static bool sole_owner(const at::Tensor& t) {
   PyObject* obj = t.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj();
-  bool alone = obj == nullptr ? t.use_count() == 1 : (t.use_count() == 2 && Py_REFCNT(obj) == 1);
+  bool alone = obj == nullptr ? t.use_count() == 1
+                              : (t.use_count() == 2 && Py_REFCNT(obj) == 1 && pyobj_held_by_tensor());
   return alone && t.has_storage() && t.storage().use_count() == 1;
 }
 
@@ -2024,6 +2104,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("install_calls", &compiled_autograd_native::install_calls);
   m.def("push_replay", &compiled_autograd_native::push_replay);
   m.def("pop_replay", &compiled_autograd_native::pop_replay);
+  m.def("pyobj_held_by_tensor", &compiled_autograd_native::pyobj_held_by_tensor);
   m.def(
       "call_direct",
       &compiled_autograd_native::call_direct,

@@ -4,6 +4,19 @@ The helper is built against the installed torch's headers the first time it is
 needed (about 20 s with g++ and ninja), then loaded from a per-user cache keyed
 by the source and the torch version, so later processes load it in
 milliseconds.
+
+NOTE [Torch versions]
+The helper reads torch's internals as one torch release lays them out: how
+nodes are held (`c10::intrusive_ptr<Node>` since 2.13, `std::shared_ptr`
+before), the C++ refcount convention of a tensor's PyObject that judges whether
+the graph owns an output, the private hook structs. A release that lays them
+out differently may not build the helper, or worse, build it and misread a
+value: a silent wrong gradient. So the helper loads only on the releases the
+test suite has run against (`TESTED`); on any other, or when the build fails,
+`load()` raises `Unavailable` and every backward runs in eager autograd,
+counted in `stats().fallback_reasons` with the reason (a warning once).
+`COMPILED_AUTOGRAD_UNTESTED_TORCH=1` lifts the version check, to try a new
+release (run the tests first).
 """
 
 from __future__ import annotations
@@ -20,6 +33,29 @@ log = logging.getLogger("compiled_autograd")
 
 _SOURCE = Path(__file__).with_name("_C.cpp")
 _module = None
+_error: str | None = None  # why the helper is unavailable in this process (it is not retried)
+
+# (major, minor) releases of torch the test suite has run against (NOTE [Torch versions])
+TESTED = ((2, 13),)
+
+
+class Unavailable(Exception):
+    """The helper cannot be used with this torch (NOTE [Torch versions])."""
+
+
+def version_problem(version: str = torch.__version__) -> str | None:
+    """Why the helper must not load on this torch version; None when it may."""
+    try:
+        major, minor = (int(x) for x in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return f"torch {version}: not a version compiled_autograd can parse"
+    if (major, minor) in TESTED or os.environ.get("COMPILED_AUTOGRAD_UNTESTED_TORCH") == "1":
+        return None
+    tested = ", ".join(f"{a}.{b}" for a, b in TESTED)
+    return (
+        f"torch {version} is not a release compiled_autograd is tested on ({tested}); "
+        "set COMPILED_AUTOGRAD_UNTESTED_TORCH=1 to try it"
+    )
 
 
 def cache_root() -> Path:
@@ -39,10 +75,29 @@ def _build_name() -> str:
 
 
 def load():
-    """Return the native module, building it on first use."""
-    global _module
+    """Return the native module, building it on first use; `Unavailable` where it cannot be
+    used (NOTE [Torch versions]), then and on every later call."""
+    global _module, _error
     if _module is not None:
         return _module
+    if _error is None:
+        _error = version_problem()
+    if _error is None:
+        try:
+            _module = _load()
+        except Exception as e:  # a failed build or import: its first line says why
+            first = (str(e).strip().splitlines() or [""])[0]
+            _error = f"the native helper could not be built or loaded for torch {torch.__version__}: " + (
+                f"{type(e).__name__}: {first}"[:300]
+            )
+            log.warning("%s", _error, exc_info=True)
+            raise Unavailable(_error) from e
+        return _module
+    raise Unavailable(_error)
+
+
+def _load():
+    global _module
     from torch.utils import cpp_extension
 
     name = _build_name()
