@@ -121,6 +121,9 @@ def markdown(data: dict) -> str:
         f"`torch.set_num_threads({m.get('threads')})` in every subprocess"
         + ("" if opts.get("omp_active") else ", with `OMP_WAIT_POLICY=PASSIVE` (OpenMP's spinning wait makes "
            "2-thread timings 10-100x slower and erratic when another process holds a core)"),
+        *([f"- Device: **{opts.get('device')}** ({m.get('accelerator')}): every timed backward ends with a "
+           "synchronize; no profiler floor, backward peak = device memory allocated"]
+          if opts.get("device", "cpu") != "cpu" else []),
         f"- compiled_autograd at commit {m.get('git_commit')}"
         + (" (with uncommitted changes under src/)" if m.get("git_src_dirty") else ""),
         f"- Load average at start / end: {m.get('loadavg_start')} / {m.get('loadavg_end')} "

@@ -81,6 +81,7 @@ def machine_info(threads: int) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "threads": threads,
+        "accelerator": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "git_commit": _git("rev-parse", "--short", "HEAD"),
         "git_src_dirty": bool(dirty),
         "loadavg_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
@@ -136,6 +137,8 @@ def run_worker(workload, mode, args, cache_dir, tmp: Path, tag="") -> dict:
            "--result", str(result)]
     if args.quick:
         cmd.append("--quick")
+    if args.device != "cpu":
+        cmd += ["--device", args.device]
     if args.no_profile:
         cmd.append("--no-profile")
     if tag == "-prime":
@@ -233,6 +236,9 @@ def main(argv=None, prog: str | None = None) -> int:
                          "(at most 25 x --iters), default 2")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every subprocess, default 2")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
+    ap.add_argument("--device", default="cpu", help="where the workloads run (cpu, cuda), default cpu; on an "
+                    "accelerator every timed backward ends with a synchronize, and the floor and tensor-peak "
+                    "profiles are skipped")
     ap.add_argument("--out", default="docs/bench", help="output folder (relative to the repo root), default docs/bench")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per subprocess, default 900")
     ap.add_argument("--warm-cache", action="store_true",

@@ -104,6 +104,13 @@ def rss_mb() -> float:
 BLOCK = 4
 
 
+_SYNC = [lambda: None]  # the device's synchronize (--device), so that a timed backward is all done
+
+
+def sync() -> None:
+    _SYNC[0]()
+
+
 def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
@@ -308,8 +315,10 @@ def run_fixed(wl, mode: Mode, args, res: dict, save):
     zero(params)
     loss = wl.loss()
     res["nodes"] = count_nodes(loss)
+    sync()
     t0 = pc()
     wl.backward(loss)
+    sync()
     res["eager_reference_backward_s"] = pc() - t0
     ref = grads(params)
     save()
@@ -319,9 +328,11 @@ def run_fixed(wl, mode: Mode, args, res: dict, save):
     loss = wl.loss()
     gc.collect()
     mode.graph_times.clear()
+    sync()
     t0 = pc()
     with mode.ctx():
         wl.backward(loss)
+    sync()
     res["first_backward_s"] = pc() - t0
     # ours with saved-tensor hooks that give no prediction: the first backward runs in eager to
     # learn what they return (stats().learning_backwards); the capture is the next one, and
@@ -332,9 +343,11 @@ def run_fixed(wl, mode: Mode, args, res: dict, save):
             break
         zero(params)
         loss = wl.loss()
+        sync()
         t1 = pc()
         with mode.ctx():
             wl.backward(loss)
+        sync()
         res["first_backward_s"] += pc() - t1
         res["learning_backwards_before_capture"] = s["learning_backwards"]
     res["first_graph_s"] = sum(mode.graph_times) if mode.graph_times else None
@@ -360,9 +373,11 @@ def run_fixed(wl, mode: Mode, args, res: dict, save):
         loss = wl.loss()
         mode.graph_times.clear()
         f0 = _minor_faults()
+        sync()
         t0 = pc()
         with ctx():
             wl.backward(loss)
+        sync()
         out.append(pc() - t0)
         faults.append(_minor_faults() - f0)
         if graph is not None:
@@ -423,6 +438,15 @@ def run_fixed(wl, mode: Mode, args, res: dict, save):
         zero(params)
         loss = wl.loss()
         gc.collect()
+        if torch.cuda.is_available() and params and params[0].is_cuda:
+            # on the GPU: the most device memory allocated at once, above what the backward started with
+            sync()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            with ctx():
+                wl.backward(loss)
+            sync()
+            return (torch.cuda.max_memory_allocated() - before) / 2**20
         before = _proc_mb("VmRSS")
         if before is None or not _reset_peak_rss():
             return None
@@ -486,9 +510,11 @@ def run_stream(st: Stream, mode: Mode, args, res: dict, save):
         for i, (x, _) in enumerate(st.batches):
             zero(params)
             loss = st.loss_of(x)
+            sync()
             t0 = pc()
             with ctx():
                 loss.backward()
+            sync()
             times.append(pc() - t0)
             got.append(grads(params))
             if after_each is not None:
@@ -565,12 +591,20 @@ def main(argv=None):
     ap.add_argument("--min-time", type=float, default=2.0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--no-graph-timing", action="store_true")
     ap.add_argument("--result", required=True)
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    if args.device != "cpu":
+        # every workload's modules and inputs are made on the device; the floor's and the tensor
+        # peak's profiles read the CPU allocator and CPU-side op times: not measured there
+        torch.set_default_device(args.device)
+        args.no_profile = True
+        args.no_graph_timing = True  # (the compiled graph's CPU time says nothing of its kernels')
+        _SYNC[0] = getattr(torch, torch.device(args.device).type).synchronize
     res = {
         "workload": args.workload,
         "mode": args.mode,
@@ -579,6 +613,7 @@ def main(argv=None):
         "warmup": args.warmup,
         "threads": torch.get_num_threads(),
         "quick": args.quick,
+        "device": args.device,
         "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
         "graph_cache_dir": os.environ.get("COMPILED_AUTOGRAD_GRAPH_DIR"),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),

@@ -34,6 +34,7 @@ def parity(
     rtol=None,
     atol=None,
     check_strides: bool = True,
+    **enable_kwargs,
 ):
     """Run `steps` backwards with different inputs, eager then compiled, compare
     every leaf's grad, and check that only the first compiled one captured."""
@@ -50,7 +51,7 @@ def parity(
             t.grad = None
         torch.manual_seed(step)
         loss = loss_fn(*inputs)
-        with ca.enable(backend, fullgraph=True):
+        with ca.enable(backend, fullgraph=True, **enable_kwargs):
             loss.backward()
         got = grads_of(leaves)
         assert_grads_equal(got, want, rtol, atol, what=f"step {step}")
