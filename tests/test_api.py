@@ -507,6 +507,7 @@ def test_untested_torch_runs_every_backward_in_eager(monkeypatch):
     not load: every backward runs in eager, right, counted with the reason; fullgraph raises."""
     from compiled_autograd import native
 
+    monkeypatch.delenv("COMPILED_AUTOGRAD_UNTESTED_TORCH", raising=False)
     assert native.version_problem("2.13.0+cpu") is None
     why = native.version_problem("2.11.0+cu130")
     assert "2.11.0+cu130" in why and "COMPILED_AUTOGRAD_UNTESTED_TORCH" in why

@@ -124,3 +124,33 @@ def test_second_process_gets_inductors_code_from_its_cache(tmp_path):
     )
     out = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout.split()[-5:] for _ in range(2)]
     assert out == [["True", "1", "0", "1", "0"], ["True", "0", "1", "1", "1"]], out
+
+
+def test_a_vector_isa_probe_that_loaded_once_is_not_run_again(tmp_path, monkeypatch):
+    # NOTE [Remembered vector-ISA probes]: a success is remembered by file (path, size, mtime)
+    # and CPU flags, in our cache directory; a failure is probed again
+    from torch._inductor.cpu_vec_isa import VecISA
+
+    from compiled_autograd import backends
+
+    monkeypatch.setenv("COMPILED_AUTOGRAD_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+
+    def child_process_probe(self, path):
+        calls.append(path)
+        return "bad" not in path
+
+    monkeypatch.setattr(VecISA, "_probe_load", child_process_probe)
+    monkeypatch.setattr(backends, "_isa_probes_patched", False)
+    backends._remember_vec_isa_probes()
+    good, bad = tmp_path / "good.so", tmp_path / "bad.so"
+    good.write_bytes(b"x")
+    bad.write_bytes(b"x")
+    probe = VecISA._probe_load
+    assert probe(None, str(good)) and probe(None, str(good))
+    assert not probe(None, str(bad)) and not probe(None, str(bad))
+    assert calls == [str(good), str(bad), str(bad)]
+    assert (tmp_path / "cache" / "vec_isa_probes.json").stat().st_mode & 0o777 == 0o600
+    good.write_bytes(b"xy")  # another library at that path
+    assert probe(None, str(good))
+    assert calls[-1] == str(good) and len(calls) == 4

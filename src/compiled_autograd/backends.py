@@ -11,7 +11,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import hashlib
+import json
+import logging
 import operator
+import os
 import threading
 from typing import Callable, Sequence
 
@@ -203,6 +207,85 @@ def _wrap_for_lowering(x):
     return wrap() if wrap is not None else ir.TensorBox.create(x)
 
 
+# NOTE [Remembered vector-ISA probes]
+# Before its first CPU compile, each process's inductor checks which vector ISAs
+# (AVX2, AVX-512, VNNI, ...) the machine's compiler and loader handle: it builds a
+# small library per ISA (cached on disk) and loads it in a child process, each
+# child loading libtorch: ~0.15 s a probe, six probes here, ~0.9 s of a warm second
+# process's ~2 s first backward, every process. A probe of the same file (path,
+# size, mtime) on a CPU with the same flags that loaded once loads again, so each
+# success is remembered in our private cache directory and not re-run; a failed
+# probe is never remembered (it runs again next time, as before).
+_isa_probes_patched = False
+
+
+def _remember_vec_isa_probes() -> None:
+    global _isa_probes_patched
+    if _isa_probes_patched:
+        return
+    _isa_probes_patched = True
+    try:
+        from torch._inductor.cpu_vec_isa import VecISA
+    except ImportError:  # pragma: no cover
+        return
+    original = getattr(VecISA, "_probe_load", None)
+    if original is None:  # pragma: no cover - another torch
+        return
+
+    @functools.wraps(original)
+    def probe(self, output_path):
+        try:
+            st = os.stat(output_path)
+            seen = f"{output_path}|{st.st_size}|{st.st_mtime_ns}|{_cpu_flags_digest()}"
+        except OSError:
+            return original(self, output_path)
+        if seen in _probes_remembered():
+            return True
+        ok = original(self, output_path)
+        if ok:
+            _remember_probe(seen)
+        return ok
+
+    VecISA._probe_load = probe
+
+
+def _probes_path():
+    from . import native
+
+    return native.cache_root() / "vec_isa_probes.json"
+
+
+@functools.cache
+def _cpu_flags_digest() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha256(flags.encode()).hexdigest()[:16]
+
+
+def _probes_remembered() -> set:
+    try:
+        return set(json.loads(_probes_path().read_text()))
+    except (OSError, ValueError, TypeError):
+        return set()
+
+
+def _remember_probe(seen: str) -> None:
+    try:
+        path = _probes_path()
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        known = sorted(_probes_remembered() | {seen})[-256:]
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(known, f)
+        os.replace(tmp, path)
+    except OSError:  # an optimization: never fail a compile for it
+        logging.getLogger("compiled_autograd").debug("could not remember a vector-ISA probe", exc_info=True)
+
+
 def _never_reuse(name: str) -> None:
     """NOTE [Freed, never reused]: inductor must not write another result into this buffer
     (a hook or AccumulateGrad may hold it), but it may drop its own reference at the
@@ -295,6 +378,7 @@ def compile_graph(
 
             _register_inductor_lowering()
             _patch_codegen_free()
+            _remember_vec_isa_probes()
 
             # NOTE [No size asserts]: inductor's code checks every input's sizes and
             # strides on every call (`assert_size_stride`, ~0.45 us per input: 0.6 ms
