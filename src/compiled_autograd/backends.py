@@ -115,10 +115,11 @@ def _serialize_fx_traces() -> None:
         return patch_method(self, cls, name, _confined(new_fn, current), deduplicate)
 
     fx_trace._compiled_autograd_tracing_here = _tracing_here
-    replacements: dict = {}
-    exec(_FLAG_FUNCTIONS, vars(fx_trace), replacements)
-    for name, fn in replacements.items():
-        getattr(fx_trace, name).__code__ = fn.__code__
+    if hasattr(fx_trace, "_is_fx_tracing_flag"):  # a process-global flag (torch 2.13; later a thread-local one)
+        replacements: dict = {}
+        exec(_FLAG_FUNCTIONS, vars(fx_trace), replacements)
+        for name, fn in replacements.items():
+            getattr(fx_trace, name).__code__ = fn.__code__
     _Patcher.patch, _Patcher.patch_method = confined_patch, confined_patch_method
     trace._compiled_autograd = True
     Tracer.trace = trace

@@ -62,7 +62,7 @@ using torch::autograd::variable_list;
 namespace compiled_autograd_native {
 
 // NOTE [Torch versions] (native/__init__.py): torch 2.13 holds nodes as
-// NodePtr, earlier releases as std::shared_ptr<Node>; a
+// c10::intrusive_ptr<Node>, earlier releases as std::shared_ptr<Node>; a
 // custom Function's THPFunction holds its node strongly (2.13) or weakly.
 using NodePtr = decltype(Edge::function);
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
