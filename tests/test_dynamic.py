@@ -269,3 +269,28 @@ def test_a_backward_that_specializes_on_a_size_gets_a_few_dynamic_graphs_then_st
     s = ca.stats()
     assert s.eager_fallbacks == 0 and s.captures == 8, s
     assert s.dynamic_captures <= 3, s
+
+
+class _ScaledByTensor(nn.Module):
+    """Multiplies by 0-dim CPU tensors (float64 and int64) that MulBackward0 saves: lifted
+    scalars of the backward graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 4)
+        self.s = torch.tensor(1.5, dtype=torch.float64)
+        self.n = torch.tensor(3)
+
+    def forward(self, x):
+        return (self.lin(x).double() * self.s).float() * self.n
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_lifted_scalar_tensors_keep_a_graph_dynamic(backend):
+    # NOTE [No item symbols for lifted scalars] (trace.py): they got `.item()` symbols, which
+    # AOTAutograd's float-tensorify pass answered by asking for a restart: every dynamic
+    # capture failed (a new static capture per size, or an error with fullgraph=True)
+    shapes = [(b, 16) for b in (3, 5, 7, 9)]
+    s = stream(_ScaledByTensor(), shapes, backend, background=False)
+    assert (s.captures, s.dynamic_captures) == (2, 1)
+    assert s.hits == len(shapes) - 2

@@ -722,6 +722,19 @@ def _in_graph_sources(collected: Collected) -> list:
     return [LocalSource(f"unpacked{hid}_{d}") for hid, _, _, dim in collected.in_graph for d in range(dim)]
 
 
+# NOTE [No item symbols for lifted scalars]
+# A fake tensor made from a 0-dim CPU tensor of an int type or float64 with a
+# source gets an `.item()` symbol (FakeTensorMode.from_tensor: its item_memo), as
+# dynamo wants for Python scalars it passes as tensors. Ours are saved tensors
+# (MulBackward0's `other` when it is a 0-dim tensor): nothing of ours guards such
+# a symbol, so a formula that read the value (`.item()`) would have traced this
+# backward's value unguarded; and AOTAutograd's float-tensorify pass, finding a
+# float symbol it did not make, asks dynamo to restart with it specialized,
+# which here failed every dynamic capture of such a graph (TensorifyScalar-
+# RestartAnalysis: a new static capture per size, an error under fullgraph=True;
+# found by tests/test_fuzz.py). So 0-dim lifted tensors are fakeified without a
+# source: no symbol, and a formula that reads the value raises, which makes its
+# node opaque.
 def fake_inputs(collected: Collected, mask, history=()):
     """Fake versions of the lifted tensors, and SymInts for the size inputs
     marked in `mask`; every other size, stride and offset stays static
@@ -742,7 +755,11 @@ def fake_inputs(collected: Collected, mask, history=()):
         dims = [DimDynamic.DYNAMIC if mask else DimDynamic.STATIC] * dim
         strides = [DimDynamic.DYNAMIC if mask and with_strides else DimDynamic.INFER_STRIDE] * dim
         context = StatelessSymbolicContext(dynamic_sizes=dims, dynamic_strides=strides, constraint_sizes=[None] * dim)
-        f = mode.from_tensor(t, symbolic_context=context, source=LocalSource(f"lifted{i}"))
+        # (no source for a 0-dim tensor: fakeifying a 0-dim CPU int or float64 tensor with a
+        # source gives it an `.item()` symbol, whose value nothing here guards (NOTE [No
+        # item symbols for lifted scalars]); it has no size or stride, and its offset stays static)
+        source = LocalSource(f"lifted{i}") if dim > 0 else None
+        f = mode.from_tensor(t, symbolic_context=context if dim > 0 else None, source=source)
         geo = list(f.shape) + (list(f.stride()) if with_strides else []) + [f.storage_offset()]
         for k, g in enumerate(geo):
             real_mask[start + k] = isinstance(g, torch.SymInt)
