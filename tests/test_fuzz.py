@@ -77,3 +77,21 @@ def test_random_program_compiled_by_aot_autograd_matches_eager(seed):
     # (fallbacks allowed: a boolean-mask index_put in a dynamic graph is one AOTAutograd cannot
     # compile, whose fake nonzero has no output shape -- it runs in eager, counted)
     run_program(seed, "aot_eager", MODES[seed % len(MODES)], fullgraph=False)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_boolean_mask_index_in_a_grad_formula_compiles(backend):
+    # found by the fuzzer (aot_eager, seed 60): `y[mask] = v` with a v that requires grad makes
+    # the backward read `grad[mask]`, whose shape depends on the mask's values; AOTAutograd's
+    # fake mode for aot_eager had no ShapeEnv to give it an unbacked size and raised
+    from helpers import parity
+
+    w = torch.randn(4, 5, requires_grad=True)
+
+    def loss(x):
+        y = (x * w).clone()
+        y[x > 0] = y[0, 0] * 2
+        return y.pow(2).sum()
+
+    parity(loss, [w], lambda s: (torch.randn(4, 5, generator=torch.Generator().manual_seed(s)),), backend=backend,
+           background=False)

@@ -371,7 +371,17 @@ def compile_graph(
         if backend == "aot_eager":
             from torch._dynamo.backends.debugging import aot_eager
 
-            return _compile_boxed(functools.partial(aot_eager, fw_compiler=_direct_calls_nop), gm, example_inputs)
+            compile = functools.partial(aot_eager, fw_compiler=_direct_calls_nop)
+            # (as inductor's: against fakes of a mode with a ShapeEnv, in which an op whose
+            # output shape depends on data -- a boolean-mask index in a grad formula -- gets an
+            # unbacked size; AOTAutograd's own fake mode for real inputs has no ShapeEnv, and
+            # raised DynamicOutputShapeException)
+            static = None if dynamic else _static_fake_mode(example_inputs)
+            if static is None:
+                return _compile_boxed(compile, gm, example_inputs)
+            mode, fakes = static
+            with torch._guards.tracing(torch._guards.TracingContext(mode)):
+                return _compile_boxed(compile, gm, fakes)
         if backend == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
