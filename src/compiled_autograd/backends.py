@@ -371,17 +371,12 @@ def compile_graph(
         if backend == "aot_eager":
             from torch._dynamo.backends.debugging import aot_eager
 
-            compile = functools.partial(aot_eager, fw_compiler=_direct_calls_nop)
             # (as inductor's: against fakes of a mode with a ShapeEnv, in which an op whose
             # output shape depends on data -- a boolean-mask index in a grad formula -- gets an
             # unbacked size; AOTAutograd's own fake mode for real inputs has no ShapeEnv, and
             # raised DynamicOutputShapeException)
-            static = None if dynamic else _static_fake_mode(example_inputs)
-            if static is None:
-                return _compile_boxed(compile, gm, example_inputs)
-            mode, fakes = static
-            with torch._guards.tracing(torch._guards.TracingContext(mode)):
-                return _compile_boxed(compile, gm, fakes)
+            compile = functools.partial(aot_eager, fw_compiler=_direct_calls_nop)
+            return _compile_on_static_fakes(compile, gm, example_inputs, static=not dynamic)
         if backend == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
@@ -399,13 +394,8 @@ def compile_graph(
             with inductor_config.patch({"size_asserts": False, **(patches or {})}), (
                 _size_class_agnostic_reductions() if dynamic else contextlib.nullcontext()
             ), _cache_tag(dynamic) as tagged:
-                static = _static_fake_mode(example_inputs) if tagged and not dynamic else None
-                if static is None:
-                    return _compile_boxed(compile_fx, gm, example_inputs)
                 # NOTE [Inductor's FX graph cache for our graphs]
-                mode, fakes = static
-                with torch._guards.tracing(torch._guards.TracingContext(mode)):
-                    return _compile_boxed(compile_fx, gm, fakes)
+                return _compile_on_static_fakes(compile_fx, gm, example_inputs, static=tagged and not dynamic)
         return backend(gm, list(example_inputs))
 
 
@@ -437,6 +427,17 @@ def _boxed_graph_module(gm: torch.fx.GraphModule) -> Callable:
 
 def _as_is(flat_args):
     return flat_args
+
+
+def _compile_on_static_fakes(compile: Callable, gm: torch.fx.GraphModule, example_inputs: Sequence, static: bool) -> Callable:
+    """Compile a static graph against static fakes of a mode with a ShapeEnv, in a tracing
+    context (`_static_fake_mode`); anything else, or inputs it cannot take, as given."""
+    fake = _static_fake_mode(example_inputs) if static else None
+    if fake is None:
+        return _compile_boxed(compile, gm, example_inputs)
+    mode, fakes = fake
+    with torch._guards.tracing(torch._guards.TracingContext(mode)):
+        return _compile_boxed(compile, gm, fakes)
 
 
 def _compile_boxed(compile: Callable, gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
