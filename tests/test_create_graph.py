@@ -196,6 +196,65 @@ def test_once_differentiable_function_falls_back_and_raises_as_eager():
             torch.autograd.grad(_Once.apply(x), x, grad_outputs=v, create_graph=True)
 
 
+class _NoGradInside(_Twice):
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        with torch.no_grad():
+            c = 2 * x  # a constant for the next order, in eager
+        return 3 * g * x * x + c * g
+
+
+@pytest.mark.parametrize("fn", [_Once, _NoGradInside])
+def test_ops_a_custom_backward_runs_without_grad_mode_stay_constants_for_the_next_order(fn):
+    """Found by the fuzzer: once_differentiable runs the backward under no_grad, so with
+    a grad that does not require grad its result is a constant (no error node), and so
+    is whatever a backward computes under no_grad. Eager's second order does not
+    differentiate through them, and the compiled graph's vjp must not either."""
+
+    def step(seed, first, second):
+        torch.manual_seed(seed)
+        x = torch.randn(5, requires_grad=True)
+        w = torch.randn(5, requires_grad=True)
+        with first:
+            # the grad reaching fn's backward is a constant; x's grad also depends on w
+            loss = (fn.apply(x) * 2).sum() + (x * w).pow(2).sum()
+            (g,) = torch.autograd.grad(loss, x, create_graph=True)
+        with second:
+            gx, gw = torch.autograd.grad(g.pow(2).sum(), [x, w])
+        return [g, gx, gw]
+
+    _parity(step, "eager")
+    _parity(step, "aot_eager")
+
+
+def test_an_in_place_op_without_grad_mode_in_a_custom_backward_falls_back():
+    class F(_Twice):
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            y = 3 * g * x * x
+            with torch.no_grad():
+                y.mul_(2)  # eager's next order does not see this factor
+            return y
+
+    def run():
+        x = torch.randn(5, requires_grad=True)
+        w = torch.randn(5, requires_grad=True)
+        loss = (F.apply(x) * 2).sum() + (x * w).pow(2).sum()
+        (g,) = torch.autograd.grad(loss, x, create_graph=True)
+        return g, torch.autograd.grad(g.pow(2).sum(), [x, w])
+
+    torch.manual_seed(0)
+    want = run()
+    start = ca.stats().eager_fallbacks
+    torch.manual_seed(0)
+    with ca.enable("eager"):
+        got = run()
+    torch.testing.assert_close(got, want)
+    assert ca.stats().eager_fallbacks > start
+
+
 def test_hooks_with_create_graph_fall_back():
     for seed in range(2):  # the second is not traced: the key is known to fall back
         torch.manual_seed(seed)

@@ -160,3 +160,21 @@ def test_integer_and_bool_inputs_and_outputs_without_grad():
         assert_grads_equal(grads_of([w]), want)
         w.grad = None
     assert (ca.stats().captures, ca.stats().hits) == (1, 1)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_saved_views_of_another_dtype(backend):
+    """Found by the fuzzer: `.abs()` of `view_as_complex(x)` saves a complex view of a
+    real tensor, which torch fakeifies by replaying the view and fails on (NOTE [Views
+    that change the dtype]); every such backward ran in eager."""
+    from helpers import parity
+
+    w = torch.randn(6, 4, requires_grad=True)
+
+    def loss(x):
+        h = x * w
+        c = torch.view_as_complex(h.reshape(-1, 2)[1:])  # (an offset, too)
+        r = torch.view_as_real(c * c.conj() + c * 1j)
+        return c.abs().sum() + r.pow(2).sum() + h.view(torch.int32).shape[0]
+
+    parity(loss, [w], lambda s: (torch.randn(6, 4, generator=torch.Generator().manual_seed(s)),), backend=backend)

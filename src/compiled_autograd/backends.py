@@ -623,8 +623,7 @@ def _static_fake_mode(example_inputs: Sequence):
     are trivially true (and AOT's float-tensorify pass finds no float symbol to
     restart on). Returns that mode and the fakes, or None when the inputs are not all
     real tensors or all fakes of one mode with a ShapeEnv (then compile as before)."""
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch._subclasses.fake_tensor import FakeTensor
 
     tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
     fakes = [t for t in tensors if isinstance(t, FakeTensor)]
@@ -632,5 +631,15 @@ def _static_fake_mode(example_inputs: Sequence):
         mode = fakes[0].fake_mode
         ok = len(fakes) == len(tensors) and mode.shape_env is not None and all(t.fake_mode is mode for t in fakes)
         return (mode, list(example_inputs)) if ok else None
+    return static_fakes(example_inputs)
+
+
+def static_fakes(values):
+    """(mode, static fakes of `values`' tensors, the rest as is), in a mode with a ShapeEnv."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from .trace import fakeable
+
     mode = FakeTensorMode(shape_env=ShapeEnv())
-    return mode, [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+    return mode, [mode.from_tensor(fakeable(t), static_shapes=True) if isinstance(t, torch.Tensor) else t for t in values]

@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import diskcache, native
-from .backends import BOXED, compile_graph, may_steal
+from .backends import BOXED, compile_graph, may_steal, static_fakes
 from .cache import CACHE, CompiledBackward, Dynamic
 from .config import Config
 from .stats import LOCK, STATS
@@ -300,11 +300,7 @@ def _static_fakes(tensors):
     """Fake copies for a static graph's background compile (no reference to the user's
     tensors): static shapes, in a mode with a ShapeEnv for inductor's FX graph cache
     (NOTE [Inductor's FX graph cache for our graphs], backends.py)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    mode = FakeTensorMode(shape_env=ShapeEnv())
-    return [mode.from_tensor(t, static_shapes=True) for t in tensors]
+    return static_fakes(tensors)[1]
 
 
 def _example_inputs(captured, collected):

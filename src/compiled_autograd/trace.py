@@ -568,7 +568,8 @@ class _BackwardTracer:
             versions = [t._version for t in kept]
             _tracing.active = True
             try:
-                out = node.apply(*inputs)
+                with _ConstantsWithoutGradMode() if torch.is_grad_enabled() else contextlib.nullcontext():
+                    out = node.apply(*inputs)
             finally:
                 _tracing.active = False
             if any(t._version != v for t, v in zip(kept, versions)):
@@ -604,6 +605,39 @@ class _BackwardTracer:
                 raise NeedsOpaque(idx, "backward returned a non-tensor")
             results.append(o)
         return capture.validate(idx, results)
+
+
+class _ConstantsWithoutGradMode(torch.overrides.TorchFunctionMode):
+    """NOTE [Ops without grad mode under create_graph]
+    A create_graph trace records aten ops, not grad mode, and the second order
+    differentiates the recorded graph (NOTE [create_graph]). So what a custom
+    backward computes with grad mode off (under `no_grad`, or all of it when
+    `once_differentiable` gets grads that do not require grad) would be
+    differentiated, where eager's results are constants for the next order. Around
+    a custom backward traced in grad mode, each op that runs without grad mode on
+    a tensor that requires grad has its results cut with `detach` in the graph. An
+    in-place op there (on a tensor that requires grad, or with one) leaves in eager
+    a history the graph cannot express: the node cannot be traced, and create_graph
+    falls back."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        versions = [t._version for t in tensors]
+        out = func(*args, **kwargs)
+        if not any(t.requires_grad for t in tensors):
+            return out
+        if any(t._version != v for t, v in zip(tensors, versions)):
+            raise RuntimeError("an in-place op without grad mode, on a tensor that requires grad or with one (create_graph)")
+
+        def cut(o):
+            if not isinstance(o, torch.Tensor) or o.requires_grad or not (o.is_floating_point() or o.is_complex()):
+                return o  # (an op that returns its input as is, `x.to(x.dtype)`, keeps its history in eager too)
+            return o.detach()
+
+        return torch.utils._pytree.tree_map(cut, out)
 
 
 def _rebuild(value, collected: Collected, args):
@@ -735,6 +769,21 @@ def _in_graph_sources(collected: Collected) -> list:
 # found by tests/test_fuzz.py). So 0-dim lifted tensors are fakeified without a
 # source: no symbol, and a formula that reads the value raises, which makes its
 # node opaque.
+def fakeable(t: torch.Tensor) -> torch.Tensor:
+    """NOTE [Views that change the dtype]
+    torch 2.13 fakeifies a view by replaying it on its base's fake, and fails for
+    a view of another dtype (`view_as_complex(x.view(-1, 2))` saved by `.abs()`:
+    "Tensor must have a last dimension of size 2"). Such a lifted tensor is
+    fakeified as what it is to the graph: a tensor of its geometry on the same
+    storage (so the fakes still share a storage), not a view. The graph reads it;
+    what a write into it would do to the base is not traced, but nothing in a
+    backward graph writes into a lifted tensor."""
+    if t._is_view() and t._base.dtype != t.dtype:
+        alias = t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+        return alias.requires_grad_(t.requires_grad) if t.requires_grad else alias
+    return t
+
+
 def fake_inputs(collected: Collected, mask, history=()):
     """Fake versions of the lifted tensors, and SymInts for the size inputs
     marked in `mask`; every other size, stride and offset stays static
@@ -759,7 +808,7 @@ def fake_inputs(collected: Collected, mask, history=()):
         # source gives it an `.item()` symbol, whose value nothing here guards (NOTE [No
         # item symbols for lifted scalars]); it has no size or stride, and its offset stays static)
         source = LocalSource(f"lifted{i}") if dim > 0 else None
-        f = mode.from_tensor(t, symbolic_context=context if dim > 0 else None, source=source)
+        f = mode.from_tensor(fakeable(t), symbolic_context=context if dim > 0 else None, source=source)
         geo = list(f.shape) + (list(f.stride()) if with_strides else []) + [f.storage_offset()]
         for k, g in enumerate(geo):
             real_mask[start + k] = isinstance(g, torch.SymInt)
