@@ -182,6 +182,21 @@ def test_fullgraph_raises_instead_of_falling_back():
             x.exp().sum().backward()
 
 
+def test_is_grads_batched_falls_back_with_its_reason():
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, 3, requires_grad=True)
+    for seed in range(2):
+        v = torch.randn(5, 4, 3, generator=torch.Generator().manual_seed(seed))
+        want = torch.autograd.grad((x @ w).tanh(), [x, w], v, is_grads_batched=True)
+        with ca.enable("eager"):
+            got = torch.autograd.grad((x @ w).tanh(), [x, w], v, is_grads_batched=True)
+        torch.testing.assert_close(got, want)
+    assert ca.stats().fallback_reasons["grads batched by vmap (is_grads_batched=True)"] == 2, ca.stats().fallback_reasons
+    with pytest.raises(ca.CompiledAutogradError, match="vmap"):
+        with ca.enable("eager", fullgraph=True):
+            torch.autograd.grad((x @ w).tanh(), [x, w], v, is_grads_batched=True)
+
+
 def test_nested_backward_inside_hook_compiles_too():
     x = torch.randn(3, requires_grad=True)
     inner = torch.randn(3, requires_grad=True)

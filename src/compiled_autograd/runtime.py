@@ -117,12 +117,20 @@ def _precheck(roots, grads, create_graph, inputs, accumulate_grad) -> tuple[str 
         return "anomaly mode", False
     if torch._C._are_functorch_transforms_active():
         return "functorch transform active", False
+    if any(g is not None and _is_vmapped(g) for g in grads):
+        return "grads batched by vmap (is_grads_batched=True)", False
     if _get_current_dispatch_mode() is not None:
         return "TorchDispatchMode active", False
     for g in grads:
         if g is not None and type(g) not in (torch.Tensor, torch.nn.Parameter):
             return "tensor subclass root grad", False
     return None, False
+
+
+def _is_vmapped(t) -> bool:
+    """A grad batched by the vmap that `grad(..., is_grads_batched=True)` runs the engine in."""
+    check = getattr(torch._C._functorch, "is_legacy_batchedtensor", None)
+    return bool(check is not None and isinstance(t, torch.Tensor) and check(t))
 
 
 def _fall_back(cfg: Config, reason: str, eager: Callable[[], Any], user_error: bool = False):
