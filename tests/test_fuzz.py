@@ -1,8 +1,11 @@
 """Differential testing: random autograd programs (fuzz_programs.py), compiled vs eager.
 
-Each program runs three backwards under one enable(): two with new values at one batch size
-(the second a cache hit) and one at another batch size (a new or dynamic capture), every
-leaf's grad and every retained grad compared with eager's. `FUZZ_PROGRAMS=N` runs more,
+Each program runs four backwards: two with new values at one batch size (the second a cache
+hit), one at another batch size (a new or dynamic capture) and one at a third (a dynamic
+graph's hit, or another capture), in one of 7 modes (backward, grad, retain_graph,
+create_graph, backward(inputs=), two roots with given grads, grad w.r.t. intermediates).
+Every leaf's grad (values and strides) and every retained grad is compared with eager's;
+where eager raises, the same error. `FUZZ_PROGRAMS=N` runs more,
 `FUZZ_BACKEND=aot_eager|inductor` with another backend.
 """
 
@@ -24,7 +27,7 @@ def _grads(leaves, retained):
     return [None if t.grad is None else t.grad.clone() for t in list(leaves) + list(retained)]
 
 
-MODES = ("backward", "grad", "retain_graph", "create_graph")
+MODES = ("backward", "grad", "retain_graph", "create_graph", "inputs", "roots", "grad_nonleaf")
 
 
 def _run(mode, leaves, loss_fn, retained):
@@ -33,32 +36,57 @@ def _run(mode, leaves, loss_fn, retained):
     if mode == "grad":
         wanted = [t for t in leaves[:2] if t.requires_grad]
         return list(torch.autograd.grad(loss, wanted, allow_unused=True))
+    if mode == "grad_nonleaf":  # w.r.t. intermediates too, with a grad for the root
+        wanted = [leaves[0]] + [t for t in retained]
+        return list(torch.autograd.grad(loss, wanted, torch.tensor(-2.0), allow_unused=True))
     if mode == "retain_graph":
         loss.backward(retain_graph=True)
         loss.backward()
     elif mode == "create_graph":
         (g,) = torch.autograd.grad(loss, leaves[0], create_graph=True)
         (g.pow(2).sum() + loss).backward()
+    elif mode == "inputs":  # backward(inputs=): only these accumulate
+        loss.backward(inputs=[leaves[0], leaves[2]])
+    elif mode == "roots":  # two roots, one of them not a scalar, with given grads
+        other = (leaves[0] * leaves[0]).sum(1)
+        torch.autograd.backward([loss, other], [torch.tensor(0.5), torch.linspace(-1, 1, other.shape[0])])
     else:
         loss.backward()
     return _grads(leaves, retained)
 
 
-def run_program(seed: int, backend: str, mode: str = "backward"):
-    for step, (batch, values) in enumerate([(5, 1), (5, 2), (7, 3)]):
-        leaves, loss_fn, retained = build(seed, batch, values)
-        want = _run(mode, leaves, loss_fn, retained)
-        for t in leaves:
-            t.grad = None
+def _outcome(mode, leaves, loss_fn, retained):
+    try:
+        return _run(mode, leaves, loss_fn, retained), None
+    except RuntimeError as e:  # eager's error (e.g. a once_differentiable node under create_graph)
+        return None, e
+
+
+def run_program(seed: int, backend: str, mode: str = "backward") -> bool:
+    """Whether every step ran without an error (eager's and ours)."""
+    clean = True
+    for step, (batch, values) in enumerate([(5, 1), (5, 2), (7, 3), (9, 4)]):
+        leaves, loss_fn, retained, init_grads = build(seed, batch, values)
+        init_grads()
+        want, want_err = _outcome(mode, leaves, loss_fn, retained)
+        init_grads()
         with ca.enable(backend, fullgraph=mode != "create_graph", background=False):
-            got = _run(mode, leaves, loss_fn, retained)
+            got, got_err = _outcome(mode, leaves, loss_fn, retained)
+        where = f"seed {seed} {mode} step {step}"
+        if want_err is not None or got_err is not None:
+            assert type(got_err) is type(want_err), f"{where}: {got_err!r} vs eager's {want_err!r}"
+            assert str(got_err).splitlines()[0] == str(want_err).splitlines()[0], f"{where}: {got_err} vs eager's {want_err}"
+            clean = False
+            continue
         assert len(got) == len(want)
         for i, (g, w) in enumerate(zip(got, want)):
-            assert (g is None) == (w is None), f"seed {seed} {mode} step {step} grad {i}: {g is None} vs {w is None}"
+            assert (g is None) == (w is None), f"{where} grad {i}: {g is None} vs {w is None}"
             if w is not None:
                 torch.testing.assert_close(
-                    g, w, rtol=1e-4, atol=1e-5, equal_nan=True, msg=lambda m: f"seed {seed} {mode} step {step} grad {i}: {m}"
+                    g, w, rtol=1e-4, atol=1e-5, equal_nan=True, msg=lambda m: f"{where} grad {i}: {m}"
                 )
+                assert g.stride() == w.stride(), f"{where} grad {i}: strides {g.stride()} vs {w.stride()}"
+    return clean
 
 
 def _check_counters(mode):
@@ -72,15 +100,15 @@ def _check_counters(mode):
 @pytest.mark.parametrize("seed", range(N))
 def test_random_program_matches_eager(seed):
     mode = MODES[seed % len(MODES)]
-    run_program(seed, BACKEND, mode)
-    _check_counters(mode)
+    if run_program(seed, BACKEND, mode):  # (a backward that raised, as eager's did, counts nothing)
+        _check_counters(mode)
 
 
 @pytest.mark.parametrize("seed", range(max(N // 4, 1)))
 def test_random_program_compiled_by_aot_autograd_matches_eager(seed):
     mode = MODES[seed % len(MODES)]
-    run_program(seed, "aot_eager", mode)
-    _check_counters(mode)
+    if run_program(seed, "aot_eager", mode):
+        _check_counters(mode)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

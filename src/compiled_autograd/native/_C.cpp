@@ -1040,7 +1040,7 @@ class GraphCapture {
     variable_list outs = to_variables(outputs);
     with_symbolic_edges(fn, fn->next_edges(), r.edge_size_start, [&]() {
       torch::autograd::validate_outputs(
-          fn->next_edges(), outs, [&](const std::string& m) { return "Function " + fn->name() + " " + m; });
+          fn->next_edges(), outs, [&](const std::string& m) { return "Function " + fn->name() + " returned an " + m; });  // (the engine's wording)
     });
     return from_variables(outs);
   }
