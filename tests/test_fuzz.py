@@ -127,3 +127,24 @@ def test_a_boolean_mask_index_in_a_grad_formula_compiles(backend):
 
     parity(loss, [w], lambda s: (torch.randn(4, 5, generator=torch.Generator().manual_seed(s)),), backend=backend,
            background=False)
+
+
+def test_a_mutated_buffer_read_after_a_loop_recompute_under_inductor():
+    # found by the fuzzer (inductor, seed 20): topk's backward scatters into a copy of zeros,
+    # and the add that reads the result was ordered before the scatter once the C++ backend
+    # had recomputed its loops (NOTE [Mutation renames after a loop recompute], backends.py)
+    from helpers import parity
+
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(6, 6, generator=g, requires_grad=True)
+    c = torch.randn(6, generator=g, requires_grad=True)
+
+    def loss(x):
+        h = x @ W + c
+        p1 = h.topk(2, dim=1).values.sum(1, keepdim=True) * h
+        p2 = h.repeat(1, 2)[:, ::2] * p1
+        terms = [h, p1, p2, torch.nn.functional.layer_norm(h, (6,)) * p2, h.repeat(1, 2)[:, ::2] * p2]
+        return sum((t * (i + 1)).sum() for i, t in enumerate(terms))
+
+    parity(loss, [W, c], lambda s: (torch.randn(5, 6, generator=torch.Generator().manual_seed(s)),),
+           backend="inductor", background=False, rtol=1e-4, atol=1e-4)

@@ -325,6 +325,39 @@ def _patch_codegen_free() -> None:
     PythonWrapperCodegen.codegen_free = codegen_free
 
 
+_inductor_compile = threading.local()  # .ours: this thread is compiling one of our graphs with inductor
+
+
+def _patch_mutation_renames() -> None:
+    """NOTE [Mutation renames after a loop recompute]
+    Inductor names a buffer that an op mutates (a scatter into a copy of zeros, as in
+    the backward of topk, max(dim), sort or kthvalue) anew after the mutation, and each
+    node that reads the result records the new name (`mutation_renames`), so that it is
+    scheduled after the mutation. torch 2.11-2.13's `SchedulerNode.recompute_size_and_body`
+    (run when the C++ backend fuses nodes of different loop sizes) recomputes a node's
+    reads from its loop body and applies those renames only when the node also has fake
+    dependencies. Otherwise the reader again depends on the buffer before the mutation,
+    may be ordered before it, and reads the copy without the scattered values: a wrong
+    gradient (found by the fuzzer: topk + repeat + layer_norm on one activation; the
+    graph run as is, or by aot_eager, was right). torch 2.14 applies the renames always;
+    so does this, for the graphs we compile, on releases before 2.14."""
+    from torch._inductor.dependencies import StarDep, WeakDep
+    from torch._inductor.scheduler import SchedulerNode
+
+    original = SchedulerNode.recompute_size_and_body
+    if getattr(original, "_compiled_autograd", False) or torch.torch_version.TorchVersion(torch.__version__) >= (2, 14):
+        return
+
+    def recompute_size_and_body(self, *args, **kwargs):
+        fake = any(isinstance(d, (WeakDep, StarDep)) for d in self.read_writes.reads)
+        original(self, *args, **kwargs)
+        if not fake and self.mutation_renames and getattr(_inductor_compile, "ours", False):
+            self.set_read_writes(self.read_writes.rename(self.mutation_renames))
+
+    recompute_size_and_body._compiled_autograd = True
+    SchedulerNode.recompute_size_and_body = recompute_size_and_body
+
+
 def _with_effects_direct(token, op, *args, **kwargs):
     return (token, ops.direct(*args, **kwargs))
 
@@ -384,6 +417,7 @@ def compile_graph(
 
             _register_inductor_lowering()
             _patch_codegen_free()
+            _patch_mutation_renames()
             _remember_vec_isa_probes()
 
             # NOTE [No size asserts]: inductor's code checks every input's sizes and
@@ -395,7 +429,11 @@ def compile_graph(
                 _size_class_agnostic_reductions() if dynamic else contextlib.nullcontext()
             ), _cache_tag(dynamic) as tagged:
                 # NOTE [Inductor's FX graph cache for our graphs]
-                return _compile_on_static_fakes(compile_fx, gm, example_inputs, static=tagged and not dynamic)
+                _inductor_compile.ours = True
+                try:
+                    return _compile_on_static_fakes(compile_fx, gm, example_inputs, static=tagged and not dynamic)
+                finally:
+                    _inductor_compile.ours = False
         return backend(gm, list(example_inputs))
 
 
