@@ -6,7 +6,8 @@ graph's hit, or another capture), in one of 7 modes (backward, grad, retain_grap
 create_graph, backward(inputs=), two roots with given grads, grad w.r.t. intermediates).
 Every leaf's grad (values and strides) and every retained grad is compared with eager's;
 where eager raises, the same error. CI runs 40 programs on eager, 10 on aot_eager and 3 on
-inductor; `FUZZ_PROGRAMS=N` (and `FUZZ_FIRST=` a first seed) runs more, `FUZZ_BACKEND=aot_eager|inductor` with another backend.
+inductor; `FUZZ_PROGRAMS=N` (from seed `FUZZ_FIRST`, default 0) runs more,
+`FUZZ_BACKEND=aot_eager|inductor` with another backend.
 """
 
 from __future__ import annotations
