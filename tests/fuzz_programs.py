@@ -4,10 +4,11 @@ A program is a seed: it builds leaves and a list of ops over a growing pool of t
 (elementwise, broadcasting, matmul, reductions, views, in-place updates of views, indexing,
 casts, complex views, multi-output ops with unused outputs, dropout, batch norm, custom
 Functions (non-differentiable outputs, mark_dirty, once_differentiable), tensor, node and
-post-accumulate hooks, retain_grad, a saved tensor changed in place (eager raises)), then sums
-the pool into a loss. Leaves may have hooks and a .grad before the backward. The
-same seed with the same batch size builds the same graph structure; values come from
-`values_seed`, so two calls with different value seeds go through one cache entry.
+post-accumulate hooks, retain_grad, a saved tensor changed in place (eager raises),
+torch.compile'd regions), then sums the pool into a loss. Leaves may have hooks and a .grad
+before the backward. The same seed with the same batch size builds the same graph structure;
+values come from `values_seed`, so two calls with different value seeds go through one cache
+entry.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def build(seed: int, batch: int, values_seed: int, dtype=torch.float32):
     return leaves, loss_fn, retained, init_grads
 
 
-N_KINDS = 74
+N_KINDS = 78
 
 
 def _op(kind, o, a, b, d, leaves, consts, retained):
@@ -349,6 +350,42 @@ def _op2(kind, o, a, b, d, leaves, consts, retained):
         if o.random() < 0.3:
             y.mul_(2)
         y = z * b
-    else:  # a leaf's view used, and a leaf's value read through .data
+    elif kind == 73:  # a leaf's view used, and a leaf's value read through .data
         y = leaves[1][: a.shape[1], :1].t() * a + leaves[2].data * b
+    else:  # a torch.compile'd region: its backward is inlined into ours (NOTE [Inlining AOTAutograd backwards])
+        y = _region(kind - 74)(a, b, leaves[1])
     return y
+
+
+def _region(i):
+    return _REGIONS[i]
+
+
+def _compiled(fn):
+    return torch.compile(fn, backend="aot_eager", fullgraph=True)
+
+
+@_compiled
+def _region_elementwise(a, b, w):
+    return (a.sin() * b).cos() + a.sum(1, keepdim=True)
+
+
+@_compiled
+def _region_views(a, b, w):
+    u = a * b
+    return u[:, :2].sum(1, keepdim=True) + u.t().t() * 0.5
+
+
+@_compiled
+def _region_in_place(a, b, w):
+    t = a.clone()
+    t[:, 0] *= b[:, 0]
+    return t.relu() + F.dropout(b, 0.25, training=True)
+
+
+@_compiled
+def _region_matmul(a, b, w):
+    return F.layer_norm(a @ w, w.shape[-1:]) * b
+
+
+_REGIONS = [_region_elementwise, _region_views, _region_in_place, _region_matmul]

@@ -197,3 +197,23 @@ def test_a_region_whose_backward_graph_has_as_strided_runs_as_is():
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
     assert any("as_strided" in r for r in s.opaque_reasons), s.opaque_reasons
+
+
+def test_retain_graph_through_a_region_with_donated_buffers_raises_as_eager():
+    # found by the fuzzer: AOTAutograd's backward may reuse the memory of tensors saved for it
+    # (donated buffers), so eager refuses retain_graph through such a region; ours ran its
+    # inlined backward, which reads them without reusing, and did not raise
+    torch.manual_seed(0)
+    w = torch.randn(5, 5, requires_grad=True)
+    region = torch.compile(lambda x, b: ((x @ w).sin() * b).cos(), backend="aot_eager")
+    region(torch.randn(2, 5), torch.randn(2, 5)).sum().backward()  # (its dynamic recompile donates)
+    x = torch.randn(3, 5), torch.randn(3, 5)
+    with pytest.raises(RuntimeError, match="donated buffers") as want:
+        region(*x).sum().backward(retain_graph=True)
+    with ca.enable("aot_eager"):
+        with pytest.raises(RuntimeError, match="donated buffers") as got:
+            region(*x).sum().backward(retain_graph=True)
+    assert str(got.value) == str(want.value)
+    # without retain_graph, the region's backward is inlined
+    w.grad = None
+    parity(lambda x, b: region(x, b).sum(), [w], lambda s: (torch.randn(3, 5), torch.randn(3, 5)), backend="aot_eager")

@@ -101,6 +101,21 @@ def inline_reason(cls, node) -> str | None:
     return why
 
 
+def check_keep_graph(cls) -> None:
+    """A backward that keeps the graph (retain_graph, create_graph) through a region whose
+    compiled backward may reuse its saved tensors' memory (donated buffers) raises in eager
+    (CompiledFunction's backward). The inlined backward reuses nothing, but raises the same."""
+    if torch._functorch.config.donated_buffer and cls.metadata.bw_donated_idxs != []:
+        raise RuntimeError(
+            "This backward function was compiled with non-empty donated "
+            "buffers which requires create_graph=False and retain_graph=False. "
+            "Please keep backward(create_graph=False, retain_graph=False) "
+            "across all backward() function calls, or set "
+            "torch._functorch.config.donated_buffer=False to disable "
+            "donated buffer."
+        )
+
+
 def saved_tensors(node, checked: list) -> list:
     """What the compiled backward reads as its saved tensors, in `bw_module`'s order
     (AOTAutograd's `_codegen_compiled_backward`): `checked` (`ctx.saved_tensors`, read with

@@ -431,6 +431,8 @@ def _collect_pynode(capture, idx: int, lift: _Lifter, keep_graph: bool) -> tuple
         if why is not None:
             info.opaque_reason = why
             return ("py", cls, "opaque", why), info
+        if keep_graph:
+            aot.check_keep_graph(cls)  # (eager's error: a RuntimeError, eager raises it again)
         saved = list(node.saved_tensors)
         capture.hand_over_saved(idx, saved, keep_graph)
         info.saved = tuple(lift(t) if t is not None else -1 for t in aot.saved_tensors(node, saved))
