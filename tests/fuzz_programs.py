@@ -5,10 +5,10 @@ A program is a seed: it builds leaves and a list of ops over a growing pool of t
 casts, complex views, multi-output ops with unused outputs, dropout, batch norm, custom
 Functions (non-differentiable outputs, mark_dirty, once_differentiable), tensor, node and
 post-accumulate hooks, retain_grad, a saved tensor changed in place (eager raises),
-torch.compile'd regions), then sums the pool into a loss. Leaves may have hooks and a .grad
-before the backward. The same seed with the same batch size builds the same graph structure;
-values come from `values_seed`, so two calls with different value seeds go through one cache
-entry.
+torch.compile'd regions), then sums the pool into a loss; some forwards run under CPU
+autocast to bfloat16. Leaves may have hooks and a .grad before the backward. The same seed
+with the same batch size builds the same graph structure; values come from `values_seed`,
+so two calls with different value seeds go through one cache entry.
 """
 
 from __future__ import annotations
@@ -124,9 +124,14 @@ def build(seed: int, batch: int, values_seed: int, dtype=torch.float32):
 
     n_ops = rng.randint(3, 14)
     plan = [(rng.randrange(1 << 30), rng.random()) for _ in range(n_ops)]
+    autocast = rng.random() < 0.15  # the forward under CPU autocast to bfloat16
     retained: list = []
 
     def loss_fn():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return forward()
+
+    def forward():
         r = random.Random(seed * 7 + 1)
         torch.manual_seed(values_seed)  # dropout's masks: the same in eager's forward and ours
         pool = [leaves[0], leaves[0] @ leaves[1] + leaves[2]] + leaves[3:]
@@ -144,6 +149,7 @@ def build(seed: int, batch: int, values_seed: int, dtype=torch.float32):
         loss = sum((t * (i + 1)).sum() for i, t in enumerate(pool) if t.requires_grad)
         return loss * r.choice([1.0, 0.1])
 
+    loss_fn.autocast = autocast
     return leaves, loss_fn, retained, init_grads
 
 

@@ -25,6 +25,14 @@ FIRST = int(os.environ.get("FUZZ_FIRST", "0"))  # the first seed
 BACKEND = os.environ.get("FUZZ_BACKEND", "eager")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    # (the programs' torch.compile'd regions are shared: without a reset, dynamo's recompile
+    # limit is reached after a few programs' shapes, dtypes and autocast states)
+    torch._dynamo.reset()
+    yield
+
+
 def _grads(leaves, retained):
     return [None if t.grad is None else t.grad.clone() for t in list(leaves) + list(retained)]
 
@@ -84,9 +92,15 @@ def run_program(seed: int, backend: str, mode: str = "backward") -> bool:
         for i, (g, w) in enumerate(zip(got, want)):
             assert (g is None) == (w is None), f"{where} grad {i}: {g is None} vs {w is None}"
             if w is not None:
-                torch.testing.assert_close(
-                    g, w, rtol=1e-4, atol=1e-5, equal_nan=True, msg=lambda m: f"{where} grad {i}: {m}"
-                )
+                # (under autocast a compiler may round bfloat16 intermediates differently; inductor
+                # reorders float32 sums, whose error scales with the largest value, not each one)
+                if loss_fn.autocast and backend != "eager":
+                    tol = dict(rtol=3e-2, atol=3e-2)
+                elif backend == "inductor":
+                    tol = dict(rtol=1e-4, atol=1e-5 * max(1.0, w.abs().max().item()))
+                else:
+                    tol = dict(rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(g, w, **tol, equal_nan=True, msg=lambda m: f"{where} grad {i}: {m}")
                 assert g.stride() == w.stride(), f"{where} grad {i}: strides {g.stride()} vs {w.stride()}"
     return clean
 
