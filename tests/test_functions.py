@@ -387,7 +387,7 @@ def test_an_unpack_hook_returning_a_sparse_tensor_falls_back():
     # the first backward learns (in eager) that the hook returns what cannot be predicted; the
     # next ones unpack it up front, and cannot lift it
     assert (s.captures, s.learning_backwards, s.eager_fallbacks) == (0, 1, 2), s
-    assert s.fallback_reasons["saved-tensor hook returned a tensor subclass or non-strided tensor"] == 2
+    assert s.fallback_reasons["saved-tensor hook returned a non-strided lifted tensor"] == 2
 
 
 def test_a_packed_tensor_of_another_shape_is_not_predicted_from_the_last():

@@ -173,3 +173,19 @@ def test_a_mutated_buffer_read_after_a_loop_recompute_under_inductor():
 
     parity(loss, [W, c], lambda s: (torch.randn(5, 6, generator=torch.Generator().manual_seed(s)),),
            backend="inductor", background=False, rtol=1e-4, atol=1e-4)
+
+
+def test_graphs_get_no_tensor_without_data():
+    # found by the fuzzer (inductor, seed 150, create_graph): the backward through a create_graph
+    # result lifted a meta tensor and a CPU tensor without data, and inductor's kernel read
+    # through a null pointer (a segfault); such a tensor now makes its node opaque
+    seen = []
+
+    def checking(gm, example_inputs):
+        seen.extend(t for t in example_inputs if isinstance(t, torch.Tensor))
+        return gm
+
+    run_program(150, checking, "create_graph")
+    assert seen
+    bad = [(t.device, tuple(t.shape)) for t in seen if t.is_meta or (t.numel() and t.data_ptr() == 0)]
+    assert not bad, bad

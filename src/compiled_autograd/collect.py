@@ -185,10 +185,10 @@ class _Lifter:
         if i is None:
             try:
                 if type(t) not in (torch.Tensor, torch.nn.Parameter):
-                    raise ValueError
+                    raise ValueError("tensor subclass")
                 key, geometry = self._key(t)
-            except ValueError:
-                raise Unkeyable("tensor subclass or non-strided tensor") from None
+            except ValueError as e:  # (the native helper's reason)
+                raise Unkeyable(str(e)) from None
             self.extra_keys.append(key)
             self.geometry += geometry
             i = self.index[id(t)] = len(self.lifted)

@@ -553,6 +553,15 @@ const char* tensor_key_into(const at::Tensor& t, std::string& key, std::vector<i
   if (t.key_set().has(c10::DispatchKey::Python) || t.is_nested()) {
     return "tensor subclass";
   }
+  // a compiled kernel would read through a null pointer (found by the fuzzer: after an eager
+  // create_graph backward, the next backward's graph lifted a meta tensor and a CPU tensor
+  // without data; eager's formulas read only their metadata)
+  if (t.is_meta()) {
+    return "a meta tensor among the lifted tensors";
+  }
+  if (!t.has_storage() || (t.numel() > 0 && t.const_data_ptr() == nullptr)) {
+    return "a lifted tensor without data";
+  }
   append_pod(key, static_cast<int8_t>(t.scalar_type()));
   append_pod(key, static_cast<int8_t>(t.device().type()));
   append_pod(key, static_cast<int8_t>(t.device().index()));
