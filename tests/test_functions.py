@@ -812,6 +812,10 @@ def test_a_backward_that_reads_python_state_sees_its_current_value(kind):
         assert (s.captures, s.hits, s.opaque_nodes) == (2, 1, 0), s
     else:
         assert s.opaque_nodes == 3 and (s.captures, s.hits) == (1, 2), s
+        # "node: reason", the node named once
+        (reason,) = s.opaque_reasons
+        name = {"global": "_GlobalScaleBackward", "list": "_GlobalListScaleBackward", "module": "_ModuleScaleBackward"}[kind]
+        assert reason.startswith(f"{name}: ") and reason.count(name) == 1, reason
 
 
 @pytest.mark.parametrize("retain", [True, False])

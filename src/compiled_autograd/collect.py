@@ -447,7 +447,7 @@ def _collect_pynode(capture, idx: int, lift: _Lifter, keep_graph: bool) -> tuple
     user = not _pure_module(getattr(cls, "__module__", "") or "")
     why, state = backward_state_key(cls)
     if why is not None:
-        info.opaque_reason = f"{node.name()}: its backward reads {why}, which a trace would freeze"
+        info.opaque_reason = f"its backward reads {why}, which a trace would freeze"
         return ("py", cls, "opaque", info.opaque_reason), info
     try:
         info.saved = tuple(lift(t) if t is not None else -1 for t in saved)
@@ -459,7 +459,7 @@ def _collect_pynode(capture, idx: int, lift: _Lifter, keep_graph: bool) -> tuple
                 attrs.append((name, value))
         info.attrs = tuple(attrs)
     except Unkeyable as e:
-        info.opaque_reason = f"{node.name()}: {e}"
+        info.opaque_reason = str(e)
         return ("py", cls, "opaque", info.opaque_reason), info
     key = ("py", cls, flags, tuple(node.needs_input_grad), info.saved, tuple(attr_keys), state)
     return key, info
