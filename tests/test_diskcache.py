@@ -154,3 +154,35 @@ def test_a_vector_isa_probe_that_loaded_once_is_not_run_again(tmp_path, monkeypa
     good.write_bytes(b"xy")  # another library at that path
     assert probe(None, str(good))
     assert calls[-1] == str(good) and len(calls) == 4
+
+
+def test_a_loaded_graph_is_the_traced_one(tmp_path, monkeypatch):
+    # NOTE [Graphs stored as their nodes]: unpickling a GraphModule traced its code again, which
+    # ran the factories of the backward formulas (sgn's _efficientzerotensor, a zeros) and
+    # kept their results as constants: the loaded graph returned one shared tensor, a plain
+    # zero tensor where eager's and the traced graph's was a ZeroTensor
+    monkeypatch.setenv("COMPILED_AUTOGRAD_GRAPH_DIR", str(tmp_path))
+
+    def step(x, w):
+        x.grad = w.grad = None
+        (x.sgn().sum() + torch.zeros(3).index_put((torch.tensor([0, 2]),), w).mul(x).sum()).backward()
+        return x.grad, w.grad
+
+    codes = []
+    for process in range(2):
+        ca.reset()
+        for values in range(2):  # the second a hit of the first's entry
+            torch.manual_seed(values)
+            x, w = torch.randn(3, requires_grad=True), torch.randn(2, requires_grad=True)
+            want = [g.clone() for g in step(x, w)]
+            want_zero = x.grad._is_zerotensor()
+            with ca.enable("eager", disk_cache=True):
+                got = step(x, w)
+            assert_grads_equal(list(got), want)
+            assert x.grad._is_zerotensor() == want_zero
+        s = ca.stats()
+        assert (s.captures, s.disk_hits, s.hits) == ((1, 0, 1) if process == 0 else (0, 1, 1)), s
+        (entry,) = ca.graphs()
+        codes.append(entry.graph.code)
+    assert "_tensor_constant" not in codes[1]
+    assert codes[1] == codes[0]

@@ -16,6 +16,17 @@ by a secret that only this user can read (mode 0600), written on first use.
 A file that fails verification, was written by another torch or library
 version, or does not unpickle is ignored: the graph is traced as usual. So
 what the cache loads, it has written itself.
+
+NOTE [Graphs stored as their nodes]
+A GraphModule pickles as its Python code, and unpickles by tracing that code
+again with fx's symbolic tracer, which runs every op that has no tensor
+argument and keeps its result as a constant: a factory in a backward formula
+(`zeros`, `full`, `_efficientzerotensor`) came back as one tensor, shared by
+every call of the loaded graph (a ZeroTensor lost what it is, and a graph
+returning it handed out that one tensor each time). So a graph is stored as
+its nodes (op, name, target, arguments) and the tensors its get_attr nodes
+read, ops by their qualified names, and rebuilt node for node: the loaded
+graph is the traced one (`tests/test_diskcache.py` compares their code).
 """
 
 from __future__ import annotations
@@ -35,7 +46,7 @@ from . import native
 
 log = logging.getLogger("compiled_autograd")
 
-FORMAT = 1
+FORMAT = 2
 
 
 def _root() -> Path:
@@ -102,7 +113,7 @@ def store(pkey: bytes, entry) -> None:
         payload = io.BytesIO()
         record = dict(
             key=pkey,
-            graph=entry.graph,
+            graph=_GraphNodes.of(entry.graph),
             plan=entry.plan,
             node_names=entry.node_names,
             nodes=entry.nodes,
@@ -141,4 +152,88 @@ def load(pkey: bytes) -> dict | None:
         return None
     if record.get("key") != pkey:
         return None
+    try:
+        record["graph"] = record["graph"].build()
+    except Exception:
+        log.debug("could not rebuild the graph of %s", path, exc_info=True)
+        return None
     return record
+
+
+class _Ref:
+    """A node, by name, in the stored arguments of another."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __reduce__(self):
+        return (_Ref, (self.name,))
+
+
+def _op_name(target):
+    """A target by name: an operator overload or higher-order operator (not picklable), or
+    anything else pickle stores by reference (operator.getitem)."""
+    if isinstance(target, torch._ops.OpOverload):
+        ns, name = target._schema.name.split("::")
+        return ("op", ns, name, target._overloadname)
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return ("hop", target.name())
+    return ("py", target)
+
+
+def _resolve(ref):
+    if ref[0] == "op":
+        return getattr(getattr(getattr(torch.ops, ref[1]), ref[2]), ref[3])
+    if ref[0] == "hop":
+        return getattr(torch.ops.higher_order, ref[1])
+    return ref[1]
+
+
+def _map(a, fn):
+    """a with every node (or _Ref) replaced by fn of it, through tuples, lists, dicts and slices."""
+    if isinstance(a, (torch.fx.Node, _Ref)):
+        return fn(a)
+    if isinstance(a, tuple):
+        return tuple(_map(x, fn) for x in a)
+    if isinstance(a, list):
+        return [_map(x, fn) for x in a]
+    if isinstance(a, dict):
+        return {k: _map(v, fn) for k, v in a.items()}
+    if isinstance(a, slice):
+        return slice(_map(a.start, fn), _map(a.stop, fn), _map(a.step, fn))
+    return a
+
+
+class _GraphNodes:
+    """A GraphModule as its nodes (NOTE [Graphs stored as their nodes])."""
+
+    def __init__(self, nodes: list, attrs: dict):
+        self.nodes = nodes
+        self.attrs = attrs
+
+    @classmethod
+    def of(cls, gm: torch.fx.GraphModule) -> "_GraphNodes":
+        if type(gm.graph._codegen) is not torch.fx.graph.CodeGen:
+            raise TypeError(f"a graph with {type(gm.graph._codegen).__name__}")
+        nodes, attrs = [], {}
+        for n in gm.graph.nodes:
+            if n.op == "call_module":
+                raise TypeError("a graph calling a submodule")
+            if n.op == "get_attr":
+                attrs[n.target] = torch.fx.graph_module._get_attr(gm, n.target)
+            target = _op_name(n.target) if n.op == "call_function" else ("py", n.target)
+            args, kwargs = (_map(x, lambda r: _Ref(r.name)) for x in (n.args, n.kwargs))
+            nodes.append((n.op, n.name, target, args, kwargs))
+        return cls(nodes, attrs)
+
+    def build(self) -> torch.fx.GraphModule:
+        g = torch.fx.Graph()
+        env: dict = {}
+        for op, name, target, args, kwargs in self.nodes:
+            args, kwargs = (_map(x, lambda r: env[r.name]) for x in (args, kwargs))
+            env[name] = node = g.create_node(op, _resolve(target), args, kwargs, name=name)
+            if node.name != name:  # (the code the backend sees names what the trace named)
+                raise ValueError(f"node {name} came back as {node.name}")
+        return torch.fx.GraphModule(self.attrs, g)
