@@ -370,6 +370,42 @@ def test_each_hooked_tensor_is_unpacked_by_position():
     observe(build, steps=3, learning=1)
 
 
+class _SavesAZeroTensor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x, torch._efficientzerotensor(x.shape))  # no data
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, z = ctx.saved_tensors
+        return g * x.cos() + z * 3
+
+
+class _KeepsAMetaTensor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.like = torch.empty(x.shape, device="meta")  # its shape only
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2 + g.new_zeros(ctx.like.shape)
+
+
+def test_a_function_keeping_a_tensor_without_data_runs_opaquely():
+    # NOTE [Lifted tensors without data]: a graph traced on such a tensor's fake reads it as an
+    # ordinary tensor, and a compiled kernel would read through a null pointer
+    def build(log, step):
+        x = leaf(4)
+        return (_SavesAZeroTensor.apply(x.sin()) * _KeepsAMetaTensor.apply(x)).sum(), [x]
+
+    observe(build, n_opaque=2)
+    reasons = ca.stats().opaque_reasons
+    assert reasons["_SavesAZeroTensorBackward: a lifted tensor without data"] == 2, reasons
+    assert reasons["_KeepsAMetaTensorBackward: a meta tensor among the lifted tensors"] == 2, reasons
+
+
 def test_an_unpack_hook_returning_a_sparse_tensor_falls_back():
     # a tensor we cannot lift: the backward runs in eager, counted (the internal error escaped)
     def run(step, compiled):

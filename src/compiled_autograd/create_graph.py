@@ -44,6 +44,8 @@ and are not stored on disk.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -155,6 +157,36 @@ def _written(n: fx.Node) -> list:
     return out
 
 
+def _constants(nodes: list, backward: set) -> set:
+    """The nodes no input of the joint reaches: its get_attr constants, factories and what is
+    computed from them alone (sgn's backward makes an _efficientzerotensor, and the ZeroTensor
+    kernels of ops on it trace copies of their arguments to the meta device). Both graphs
+    compute these themselves instead of the vjp graph reading them from the forward's: a
+    ZeroTensor or a meta tensor must not become a graph's input (NOTE [Lifted tensors
+    without data], collect.py). Not random ones (computed twice, they would differ), nor
+    anything an op writes to."""
+    written = set()
+    for n in nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+            written.update(_base(a) for a in _written(n))
+    if None in written:  # (a list written to: not followed)
+        return {n for n in nodes if n.op == "get_attr"}
+    out: set = set()
+    for n in nodes:
+        if n.op == "get_attr":
+            out.add(n)
+        elif n.op != "call_function" or n in backward or not all(a in out for a in n.all_input_nodes):
+            continue
+        elif n.target is operator.getitem or (
+            isinstance(n.target, torch._ops.OpOverload)
+            and not n.target._schema.is_mutable
+            and torch.Tag.nondeterministic_seeded not in n.target.tags
+        ):
+            if _base(n) not in written:
+                out.add(n)
+    return out
+
+
 def _split(gm: fx.GraphModule, n_results: int):
     nodes = list(gm.graph.nodes)
     backward: set = set()
@@ -187,16 +219,16 @@ def _split(gm: fx.GraphModule, n_results: int):
     results, grads = flat[:n_results], flat[n_results:]
     if any(r in backward for r in results if isinstance(r, fx.Node)):
         return None
+    consts = _constants(nodes, backward)  # each graph computes them itself
     saved = []
     for n in nodes:
-        if n in backward or n.op in ("output", "get_attr"):
+        if n in backward or n in consts or n.op == "output":
             continue
         if any(u in backward for u in n.users):
             saved.append(n)
-    for g in grads:  # a grad computed without the cotangents (a zero, an input)
-        if isinstance(g, fx.Node) and g not in backward and g.op != "get_attr" and g not in saved:
+    for g in grads:  # a grad computed without the cotangents (an input)
+        if isinstance(g, fx.Node) and g not in backward and g not in consts and g not in saved:
             saved.append(g)
-    consts = {n for n in nodes if n.op == "get_attr"}
 
     def build(keep, inputs, outputs):
         g = fx.Graph()

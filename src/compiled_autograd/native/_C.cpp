@@ -553,9 +553,12 @@ const char* tensor_key_into(const at::Tensor& t, std::string& key, std::vector<i
   if (t.key_set().has(c10::DispatchKey::Python) || t.is_nested()) {
     return "tensor subclass";
   }
-  // a compiled kernel would read through a null pointer (found by the fuzzer: after an eager
-  // create_graph backward, the next backward's graph lifted a meta tensor and a CPU tensor
-  // without data; eager's formulas read only their metadata)
+  // NOTE [Lifted tensors without data]
+  // A ZeroTensor has no data (sgn's backward makes one; eager's ops on it dispatch to
+  // ZeroTensor kernels, which read only sizes), and those kernels copy their arguments to the
+  // meta device. A graph traced on such a tensor's fake reads it as an ordinary tensor, and a
+  // compiled kernel would read through a null pointer (found by the fuzzer: a segfault in a
+  // second backward through a create_graph graph that returned both). Its node runs opaquely.
   if (t.is_meta()) {
     return "a meta tensor among the lifted tensors";
   }
