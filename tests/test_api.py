@@ -197,6 +197,34 @@ def test_is_grads_batched_falls_back_with_its_reason():
             torch.autograd.grad((x @ w).tanh(), [x, w], v, is_grads_batched=True)
 
 
+@pytest.mark.parametrize("transform", ["grad", "vmap_grad", "jacrev", "hessian", "vjp"])
+def test_torch_func_transforms_fall_back_with_their_reason(transform):
+    # the engine runs on the transforms' wrapped tensors (torch.func.vjp's function outside the
+    # transform, where none is active): eager, counted
+    from torch.func import grad, hessian, jacrev, vjp, vmap
+
+    w = torch.randn(3, 3)
+
+    def f(x):
+        return (x @ w).tanh()
+
+    run = {
+        "grad": lambda x: grad(lambda x: f(x).sum())(x),
+        "vmap_grad": lambda x: vmap(grad(lambda x: f(x).sum()))(torch.stack([x, x * 2])),
+        "jacrev": lambda x: jacrev(f)(x),
+        "hessian": lambda x: hessian(lambda x: f(x).sum())(x),
+        "vjp": lambda x: vjp(f, x)[1](torch.ones(3))[0],
+    }[transform]
+    for seed in range(2):
+        x = torch.randn(3, generator=torch.Generator().manual_seed(seed))
+        want = run(x)
+        with ca.enable("eager"):
+            got = run(x)
+        torch.testing.assert_close(got, want)
+    s = ca.stats()
+    assert s.captures == 0 and s.eager_fallbacks >= 2 and set(s.fallback_reasons) == {"functorch transform active"}, s
+
+
 def test_nested_backward_inside_hook_compiles_too():
     x = torch.randn(3, requires_grad=True)
     inner = torch.randn(3, requires_grad=True)

@@ -115,7 +115,8 @@ def _precheck(roots, grads, create_graph, inputs, accumulate_grad) -> tuple[str 
         # (aot autograd turns anomaly mode on, without NaN checks, while it
         # compiles; that global flag is not the user's while ours compile)
         return "anomaly mode", False
-    if torch._C._are_functorch_transforms_active():
+    if torch._C._are_functorch_transforms_active() or any(_is_functorch_wrapped(t) for t in (*roots, *inputs, *grads)):
+        # (torch.func.vjp's function runs the engine on its transform's tensors, outside it)
         return "functorch transform active", False
     if any(g is not None and _is_vmapped(g) for g in grads):
         return "grads batched by vmap (is_grads_batched=True)", False
@@ -125,6 +126,10 @@ def _precheck(roots, grads, create_graph, inputs, accumulate_grad) -> tuple[str 
         if g is not None and type(g) not in (torch.Tensor, torch.nn.Parameter):
             return "tensor subclass root grad", False
     return None, False
+
+
+def _is_functorch_wrapped(t) -> bool:
+    return isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 def _is_vmapped(t) -> bool:

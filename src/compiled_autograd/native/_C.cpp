@@ -553,6 +553,9 @@ const char* tensor_key_into(const at::Tensor& t, std::string& key, std::vector<i
   if (t.key_set().has(c10::DispatchKey::Python) || t.is_nested()) {
     return "tensor subclass";
   }
+  if (t.key_set().has(c10::DispatchKey::FuncTorchGradWrapper) || t.key_set().has(c10::DispatchKey::FuncTorchBatched)) {
+    return "a torch.func transform's wrapped tensor";
+  }
   // NOTE [Lifted tensors without data]
   // A ZeroTensor has no data (sgn's backward makes one; eager's ops on it dispatch to
   // ZeroTensor kernels, which read only sizes), and those kernels copy their arguments to the
