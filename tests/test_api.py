@@ -225,6 +225,28 @@ def test_torch_func_transforms_fall_back_with_their_reason(transform):
     assert s.captures == 0 and s.eager_fallbacks >= 2 and set(s.fallback_reasons) == {"functorch transform active"}, s
 
 
+def test_a_backward_inside_an_autocast_region_is_its_own_graph():
+    # the engine runs the formulas under the caller's autocast state (mm in bfloat16 here): a
+    # graph traced inside the region must not serve a backward outside it, nor the reverse
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def step(seed, autocast, compiled):
+        w.grad = None
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
+        loss = (x @ w).tanh().sum()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with ca.enable("eager") if compiled else contextlib.nullcontext():
+                loss.backward()
+        return w.grad
+
+    for seed in range(2):
+        for autocast in (True, False):
+            want = step(seed, autocast, False)
+            assert torch.equal(step(seed, autocast, True), want), (seed, autocast)
+    s = ca.stats()
+    assert (s.captures, s.hits) == (2, 2), s
+
+
 def test_nested_backward_inside_hook_compiles_too():
     x = torch.randn(3, requires_grad=True)
     inner = torch.randn(3, requires_grad=True)

@@ -81,12 +81,14 @@ def reset_runtime() -> None:
 
 
 def _global_state() -> tuple:
-    # process state a traced formula may branch on
+    # process state a traced formula may branch on; a backward run inside an autocast region
+    # runs its formulas autocast (the engine runs CPU work on the calling thread, and a CUDA
+    # device thread takes the caller's autocast state): the dtype per device type, or None
     return (
         torch.get_default_dtype(),
         torch.are_deterministic_algorithms_enabled(),
-        torch.is_autocast_enabled("cpu"),
         torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None,
+        torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None,
     )
 
 
