@@ -2,8 +2,9 @@
 
 Each program runs four backwards: two with new values at one batch size (the second a cache
 hit), one at another batch size (a new or dynamic capture) and one at a third (a dynamic
-graph's hit, or another capture), in one of 7 modes (backward, grad, retain_graph,
-create_graph, backward(inputs=), two roots with given grads, grad w.r.t. intermediates).
+graph's hit, or another capture), in one of 8 modes (backward, grad, retain_graph,
+create_graph, backward(inputs=), two roots with given grads, grad w.r.t. intermediates, a
+backward inside a CPU autocast region); one program in 13 is in float64.
 Every leaf's grad (values and strides) and every retained grad is compared with eager's;
 where eager raises, the same error. CI runs 40 programs on eager, 10 on aot_eager and 3 on
 inductor; `FUZZ_PROGRAMS=N` (from seed `FUZZ_FIRST`, default 0) runs more,
@@ -37,7 +38,7 @@ def _grads(leaves, retained):
     return [None if t.grad is None else t.grad.clone() for t in list(leaves) + list(retained)]
 
 
-MODES = ("backward", "grad", "retain_graph", "create_graph", "inputs", "roots", "grad_nonleaf")
+MODES = ("backward", "grad", "retain_graph", "create_graph", "inputs", "roots", "grad_nonleaf", "backward_autocast")
 
 
 def _run(mode, leaves, loss_fn, retained):
@@ -57,6 +58,9 @@ def _run(mode, leaves, loss_fn, retained):
         (g.pow(2).sum() + loss).backward()
     elif mode == "inputs":  # backward(inputs=): only these accumulate
         loss.backward(inputs=[leaves[0], leaves[2]])
+    elif mode == "backward_autocast":  # the formulas run autocast too (keyed: a graph of its own)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss.backward()
     elif mode == "roots":  # two roots, one of them not a scalar, with given grads
         other = (leaves[0] * leaves[0]).sum(1)
         torch.autograd.backward([loss, other], [torch.tensor(0.5), torch.linspace(-1, 1, other.shape[0])])
@@ -72,11 +76,15 @@ def _outcome(mode, leaves, loss_fn, retained):
         return None, e
 
 
+def _dtype(seed: int):
+    return torch.float64 if seed % 13 == 7 else torch.float32
+
+
 def run_program(seed: int, backend: str, mode: str = "backward") -> bool:
     """Whether every step ran without an error (eager's and ours)."""
     clean = True
     for step, (batch, values) in enumerate([(5, 1), (5, 2), (7, 3), (9, 4)]):
-        leaves, loss_fn, retained, init_grads = build(seed, batch, values)
+        leaves, loss_fn, retained, init_grads = build(seed, batch, values, dtype=_dtype(seed))
         init_grads()
         want, want_err = _outcome(mode, leaves, loss_fn, retained)
         init_grads()
@@ -96,7 +104,7 @@ def run_program(seed: int, backend: str, mode: str = "backward") -> bool:
                 # keeps fused ones in float32 -- and inductor reorders float32 sums: their error
                 # scales with the largest value summed, not with each result)
                 scale = max(1.0, w.abs().max().item())
-                if loss_fn.autocast and backend != "eager":
+                if (loss_fn.autocast or mode == "backward_autocast") and backend != "eager":
                     tol = dict(rtol=3e-2, atol=1e-2 * scale)
                 elif backend == "inductor":
                     tol = dict(rtol=1e-4, atol=1e-5 * scale)
