@@ -213,7 +213,10 @@ def _summary(row) -> str:
     s = (f"{row['workload']:12s} {row['mode']:20s} {row['status']:8s} first={f('first_backward_s')}s "
          f"steady={f('steady_median_s', 1e3)}ms vs_eager={f('vs_eager')} compiles={row.get('stats', {}).get('compiles', '-')} "
          f"diff={f('max_grad_diff')} rss={f('peak_rss_mb', 1, '{:.0f}')}MB wall={f('subprocess_wall_s', 1, '{:.0f}')}s")
-    if row.get("workload") == "stream":
+    if row.get("mode", "").startswith("h2h"):
+        s += (f" ours/eager={f('ours_vs_eager')} torch/eager={f('theirs_vs_eager')} ours/torch={f('ours_vs_theirs')} "
+              f"(min {f('ours_vs_theirs_min')}) ours/floor={f('ours_vs_floor')}")
+    elif row.get("workload") == "stream":
         s += (f" bwd_sum={f('total_s')}s (eager {f('eager_total_s')}s) loop={f('loop_wall_s')}s "
               f"(eager {f('eager_loop_wall_s')}s)")
     elif row.get("time_to_compiled_s") is not None and row.get("background_compile_wait_s"):
@@ -227,8 +230,9 @@ def main(argv=None, prog: str | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {','.join(WORKLOADS)}")
     ap.add_argument("--modes", default=",".join(MODES),
-                    help=f"comma list of {','.join(MODES)} (also ours:eager, torch-ca:eager, and "
-                         "ours:inductor:sync = ours with background=False)")
+                    help=f"comma list of {','.join(MODES)} (also ours:eager, torch-ca:eager, "
+                         "ours:inductor:sync = ours with background=False, and h2h:inductor = ours (background=False), "
+                         "torch's and eager alternating in one process)")
     ap.add_argument("--iters", type=int, default=20, help="timed backwards per mode (steady state), default 20")
     ap.add_argument("--warmup", type=int, default=3, help="untimed backwards after the first, default 3")
     ap.add_argument("--min-time", type=float, default=2.0,
@@ -273,9 +277,11 @@ def main(argv=None, prog: str | None = None) -> int:
     for m in modes:
         kind, _, backend = m.partition(":")
         backend, _, option = backend.partition(":")
-        if not (m == "eager" or (kind in ("ours", "torch-ca") and backend in ("eager", "aot_eager", "inductor")
+        if not (m == "eager" or (kind in ("ours", "torch-ca", "h2h") and backend in ("eager", "aot_eager", "inductor")
                                  and option in ("", "sync") and not (option and kind != "ours"))):
             ap.error(f"unknown mode {m!r}")
+        if kind == "h2h" and "stream" in workloads:
+            ap.error("the head-to-head mode (h2h:B) takes the fixed workloads, not the stream")
 
     command = " ".join([prog or "python benchmarks/run.py", *map(shlex.quote, argv)])
     started = _dt.datetime.now().astimezone()
@@ -291,7 +297,7 @@ def main(argv=None, prog: str | None = None) -> int:
     }
     tmp = Path(tempfile.mkdtemp(prefix="ca_bench_"))
     print(f"benchmark: {len(workloads)} workloads x {len(modes)} modes, logs in {tmp}", flush=True)
-    if any(m.startswith("ours") for m in modes):
+    if any(m.startswith(("ours", "h2h")) for m in modes):
         data["prebuild"] = prebuild(args, tmp)
         print(f"prebuild of the native helper: {data['prebuild']['seconds']:.1f}s ok={data['prebuild']['ok']}", flush=True)
 

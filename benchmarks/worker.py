@@ -134,6 +134,13 @@ class Mode:
             self._setup_ours()
         elif self.kind == "torch-ca":
             self._setup_torch_ca()
+        elif self.kind == "h2h":  # ours and torch's, both with this backend, in one process
+            self.graph_timing = False
+            self.option = "sync"
+            self._setup_ours()
+            self.ours_ctx = self.ctx
+            self._setup_torch_ca()
+            self.theirs_ctx = self.ctx
         else:
             raise ValueError(f"unknown mode {spec!r}")
 
@@ -214,32 +221,40 @@ class Mode:
         self.ctx = lambda: tca._enable(compiler_fn)
 
     def stats(self) -> dict:
+        if self.kind == "h2h":
+            return {"ours": self._ours_stats(), "theirs": self._torch_ca_stats()}
         if self.kind == "ours":
-            s = self.ca.stats()
-            out = {}
-            for k in ("captures", "dynamic_captures", "hits", "eager_fallbacks", "learning_backwards", "opaque_nodes",
-                      "trace_seconds", "compile_seconds", "compiles_pending", "compile_failures", "disk_hits"):
-                if hasattr(s, k):
-                    out[k] = getattr(s, k)
-            for k in ("fallback_reasons", "opaque_reasons"):
-                if getattr(s, k, None):
-                    out[k] = {str(r): n for r, n in getattr(s, k).items()}
-            out["compiles"] = out.get("captures", 0)
-            if out.get("disk_hits"):  # a graph loaded from the on-disk cache is still compiled
-                out["compiles"] += out["disk_hits"]
-            return out
+            return self._ours_stats()
         if self.kind == "torch-ca":
-            from torch._dynamo.utils import counters
-
-            out = {f"ca_{k}": v for k, v in counters["compiled_autograd"].items()}
-            out["dynamo_unique_graphs"] = counters["stats"].get("unique_graphs", 0)
-            out["dynamo_calls_to_compile"] = counters["stats"].get("calls_captured", 0)
-            gb = counters.get("graph_break") or {}
-            if gb:
-                out["graph_breaks"] = {str(k)[:200]: v for k, v in gb.items()}
-            out["compiles"] = counters["compiled_autograd"].get("captures", 0)
-            return out
+            return self._torch_ca_stats()
         return {"compiles": 0}
+
+    def _ours_stats(self) -> dict:
+        s = self.ca.stats()
+        out = {}
+        for k in ("captures", "dynamic_captures", "hits", "eager_fallbacks", "learning_backwards", "opaque_nodes",
+                  "trace_seconds", "compile_seconds", "compiles_pending", "compile_failures", "disk_hits"):
+            if hasattr(s, k):
+                out[k] = getattr(s, k)
+        for k in ("fallback_reasons", "opaque_reasons"):
+            if getattr(s, k, None):
+                out[k] = {str(r): n for r, n in getattr(s, k).items()}
+        out["compiles"] = out.get("captures", 0)
+        if out.get("disk_hits"):  # a graph loaded from the on-disk cache is still compiled
+            out["compiles"] += out["disk_hits"]
+        return out
+
+    def _torch_ca_stats(self) -> dict:
+        from torch._dynamo.utils import counters
+
+        out = {f"ca_{k}": v for k, v in counters["compiled_autograd"].items()}
+        out["dynamo_unique_graphs"] = counters["stats"].get("unique_graphs", 0)
+        out["dynamo_calls_to_compile"] = counters["stats"].get("calls_captured", 0)
+        gb = counters.get("graph_break") or {}
+        if gb:
+            out["graph_breaks"] = {str(k)[:200]: v for k, v in gb.items()}
+        out["compiles"] = counters["compiled_autograd"].get("captures", 0)
+        return out
 
 
 def zero(params):
@@ -493,6 +508,70 @@ def run_fixed(wl, mode: Mode, args, res: dict, save):
     save()
 
 
+def run_head_to_head(wl, mode: Mode, args, res: dict, save):
+    """Ours and torch's compiled autograd, both with one backend (ours compiling in the
+    foreground), and eager, in one process: each compiles once, then the three alternate in
+    blocks, in a rotating order, so that every ratio between them is measured under the same
+    load and process history (the per-mode rows compare torch's with ours across processes,
+    where the allocator's state alone moves a backward by 10-20%)."""
+    params = wl.params
+    res["description"] = wl.description
+    res["num_params"] = sum(p.numel() for p in params)
+    zero(params)
+    loss = wl.loss()
+    res["nodes"] = count_nodes(loss)
+    wl.backward(loss)
+    ref = grads(params)
+    ctxs = {"eager": contextlib.nullcontext, "ours": mode.ours_ctx, "theirs": mode.theirs_ctx}
+
+    def one(name):
+        zero(params)
+        loss = wl.loss()
+        sync()
+        t0 = pc()
+        with ctxs[name]():
+            wl.backward(loss)
+        sync()
+        return pc() - t0
+
+    for name in ("ours", "theirs"):
+        gc.collect()
+        res[f"{name}_first_backward_s"] = one(name)
+        res[f"{name}_max_grad_diff"] = max_diff(ref, params)
+        save()
+    for _ in range(args.warmup):
+        for name in ctxs:
+            one(name)
+    times: dict = {name: [] for name in ctxs}
+    orders = [("eager", "ours", "theirs"), ("ours", "theirs", "eager"), ("theirs", "eager", "ours")]
+    gc.collect()
+    i = 0
+    while len(times["ours"]) < args.iters or (
+        len(times["ours"]) * median(times["ours"]) < args.min_time and len(times["ours"]) < 25 * args.iters
+    ):
+        for name in orders[i % 3]:
+            one(name)  # (untimed: it runs in the memory state the previous mode left behind)
+            times[name] += [one(name) for _ in range(BLOCK - 1)]
+            if name != "eager":
+                res[f"{name}_max_grad_diff"] = max(res[f"{name}_max_grad_diff"], max_diff(ref, params))
+        i += 1
+    for name, ts in times.items():
+        res[f"{name}_times_s"] = ts
+        res[f"{name}_median_s"] = median(ts)
+        res[f"{name}_min_s"] = min(ts)
+    for a, b in (("ours", "eager"), ("theirs", "eager"), ("ours", "theirs")):
+        res[f"{a}_vs_{b}"] = res[f"{a}_median_s"] / res[f"{b}_median_s"]
+        res[f"{a}_vs_{b}_min"] = res[f"{a}_min_s"] / res[f"{b}_min_s"]
+    res["stats"] = mode.stats()
+    save()
+    if not args.no_profile:
+        res.update(floor_of(wl, params))
+        if res.get("floor_s"):
+            for name in ctxs:
+                res[f"{name}_vs_floor"] = res[f"{name}_median_s"] / res["floor_s"]
+    save()
+
+
 def run_stream(st: Stream, mode: Mode, args, res: dict, save):
     """The whole stream, in order. Two totals per pass: the sum of the `.backward()` times, and the
     wall time of the whole loop (forward + backward + copying the grads), plus, for ours, waiting
@@ -633,7 +712,11 @@ def main(argv=None):
         wl = build(args.workload, args.quick)
         res["setup_s"] = pc() - t_start
         res["native_load_s"] = getattr(mode, "native_load_s", None)
-        if isinstance(wl, Stream):
+        if mode.kind == "h2h":
+            if isinstance(wl, Stream):
+                raise ValueError("the head-to-head mode takes the fixed workloads, not the stream")
+            run_head_to_head(wl, mode, args, res, save)
+        elif isinstance(wl, Stream):
             run_stream(wl, mode, args, res, save)
         else:
             run_fixed(wl, mode, args, res, save)
