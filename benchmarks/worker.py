@@ -321,15 +321,22 @@ def floor_of(wl, params, runs: int = 5) -> dict:
     return best
 
 
-def run_fixed(wl, mode: Mode, args, res: dict, save):
-    params = wl.params
+def _first_loss(wl, res: dict):
+    """The workload's description in res, and a loss (the params' grads cleared) whose autograd
+    nodes are counted there."""
     res["description"] = wl.description
-    res["num_params"] = sum(p.numel() for p in params)
-
-    # 1. eager reference
-    zero(params)
+    res["num_params"] = sum(p.numel() for p in wl.params)
+    zero(wl.params)
     loss = wl.loss()
     res["nodes"] = count_nodes(loss)
+    return loss
+
+
+def run_fixed(wl, mode: Mode, args, res: dict, save):
+    params = wl.params
+
+    # 1. eager reference
+    loss = _first_loss(wl, res)
     sync()
     t0 = pc()
     wl.backward(loss)
@@ -515,12 +522,7 @@ def run_head_to_head(wl, mode: Mode, args, res: dict, save):
     load and process history (the per-mode rows compare torch's with ours across processes,
     where the allocator's state alone moves a backward by 10-20%)."""
     params = wl.params
-    res["description"] = wl.description
-    res["num_params"] = sum(p.numel() for p in params)
-    zero(params)
-    loss = wl.loss()
-    res["nodes"] = count_nodes(loss)
-    wl.backward(loss)
+    wl.backward(_first_loss(wl, res))
     ref = grads(params)
     ctxs = {"eager": contextlib.nullcontext, "ours": mode.ours_ctx, "theirs": mode.theirs_ctx}
 
