@@ -1,6 +1,7 @@
 """Custom autograd.Functions, saved-tensor hooks, checkpointing, in-place views."""
 
 import contextlib
+import warnings
 
 import numpy as np
 import pytest
@@ -852,6 +853,70 @@ def test_a_backward_that_reads_python_state_sees_its_current_value(kind):
         (reason,) = s.opaque_reasons
         name = {"global": "_GlobalScaleBackward", "list": "_GlobalListScaleBackward", "module": "_ModuleScaleBackward"}[kind]
         assert reason.startswith(f"{name}: ") and reason.count(name) == 1, reason
+
+
+class _ReverseGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, lam):
+        ctx.lam = lam
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -ctx.lam * g, None
+
+
+def test_a_function_whose_ctx_value_changes_every_step_stops_being_recaptured():
+    # NOTE [Functions whose values change every step]: a gradient-reversal layer whose lambda
+    # is annealed every step was a capture (and a compile) per backward, for ever
+    from compiled_autograd.collect import CHURN_LIMIT
+
+    w = leaf(4, 4)
+    steps = CHURN_LIMIT + 4
+    for step in range(steps):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        lam = 0.05 * step + 0.01
+        w.grad = None
+        (_ReverseGrad.apply(x @ w, lam).tanh().sum() + (x @ w).pow(2).sum()).backward()
+        want, w.grad = w.grad, None
+        loss = _ReverseGrad.apply(x @ w, lam).tanh().sum() + (x @ w).pow(2).sum()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with ca.enable("eager", fullgraph=True):
+                loss.backward()
+        assert_grads_equal([w.grad], [want], what=f"step {step}")
+        assert any("changed in more than" in str(c.message) for c in caught) == (step == CHURN_LIMIT), step
+    s = ca.stats()
+    # one capture per value up to the limit and past it, then one with the Function opaque, then hits
+    assert (s.captures, s.hits) == (CHURN_LIMIT + 2, steps - CHURN_LIMIT - 2), s
+    (reason,) = s.opaque_reasons
+    assert reason.startswith("_ReverseGradBackward: its ctx values") and s.opaque_nodes == steps - CHURN_LIMIT - 1, s
+
+
+def test_a_function_applied_with_many_fixed_values_stays_compiled():
+    # twelve layers, each with its own fixed scale: one set of values per graph, not churn
+    from compiled_autograd.collect import CHURN_LIMIT
+
+    w = leaf(4, 4)
+    scales = [0.1 * (i + 1) for i in range(CHURN_LIMIT + 4)]
+
+    def loss_of(x):
+        h = x @ w
+        for k in scales:
+            h = _ReverseGrad.apply(h, k).sin()
+        return h.sum()
+
+    for step in range(3):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        w.grad = None
+        loss_of(x).backward()
+        want, w.grad = w.grad, None
+        loss = loss_of(x)
+        with ca.enable("eager", fullgraph=True):
+            loss.backward()
+        assert_grads_equal([w.grad], [want], what=f"step {step}")
+    s = ca.stats()
+    assert (s.captures, s.hits, s.opaque_nodes) == (1, 2, 0), s
 
 
 @pytest.mark.parametrize("retain", [True, False])

@@ -418,6 +418,54 @@ _MISSING = object()
 _STATE_READS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# NOTE [Functions whose values change every step]
+# A custom Function's ctx values and the Python state its backward reads are keyed by value
+# (NOTE [Python state a backward reads]): each new value is a new graph. A gradient-reversal
+# layer whose lambda is annealed every step (ctx.lam), a temperature, a loss weight: every
+# backward was a capture and a compile (seconds each under inductor), for ever. So the
+# captures are counted per Function class: once a class has been captured with more than
+# CHURN_LIMIT different sets of values (the values of all its nodes in one graph: a model
+# that applies it with twelve fixed scales is one set), its nodes run as they are, opaquely,
+# and the rest of the graph is captured once more and then hits. (As dynamo's recompile
+# limit; the node's own backward, run eagerly, reads each step's values.)
+CHURN_LIMIT = 8
+
+
+class _Churn:
+    def __init__(self):
+        self.sets: dict = {}  # cls -> the distinct sets of its values, one per capture
+        self.opaque: dict = {}  # cls -> the reason its nodes now run opaquely
+        self.lock = threading.Lock()
+
+    def note_capture(self, collected) -> list[str]:
+        """Count the custom Functions a new graph traced; the names of those that just went opaque."""
+        pykeys = collected.key[1] if len(collected.key) > 1 else ()
+        per_cls: dict = {}
+        for _, k in pykeys:
+            if len(k) == 7:  # ("py", cls, flags, needs_input_grad, saved, attrs, state): traced
+                per_cls.setdefault(k[1], set()).add((k[5], k[6]))
+        went = []
+        with self.lock:
+            for cls, values in per_cls.items():
+                sets = self.sets.setdefault(cls, set())
+                sets.add(frozenset(values))
+                if len(sets) > CHURN_LIMIT and cls not in self.opaque:
+                    self.opaque[cls] = (
+                        f"its ctx values or the Python state its backward reads changed in {len(sets)} captures "
+                        "(NOTE [Functions whose values change every step]): it runs as is instead of a capture per value"
+                    )
+                    went.append(cls.__qualname__)
+        return went
+
+    def clear(self):
+        with self.lock:
+            self.sets.clear()
+            self.opaque.clear()
+
+
+CHURN = _Churn()
+
+
 def _collect_pynode(capture, idx: int, lift: _Lifter, keep_graph: bool) -> tuple[tuple, PyNodeInfo]:
     node = capture.node_object(idx)
     m, mnd, boxed, is_var = capture.pynode_flags(idx)
@@ -445,6 +493,10 @@ def _collect_pynode(capture, idx: int, lift: _Lifter, keep_graph: bool) -> tuple
     # its own backward (opaque), or eager its own (a fallback)
     capture.hand_over_saved(idx, list(saved), keep_graph)
     user = not _pure_module(getattr(cls, "__module__", "") or "")
+    churned = CHURN.opaque.get(cls)
+    if churned is not None:
+        info.opaque_reason = churned
+        return ("py", cls, "opaque", churned), info
     why, state = backward_state_key(cls)
     if why is not None:
         info.opaque_reason = f"its backward reads {why}, which a trace would freeze"

@@ -30,7 +30,7 @@ from .cache import CACHE, CompiledBackward, Dynamic
 from .config import Config
 from .stats import LOCK, STATS
 from . import ops
-from .collect import LEARNED, Learn, Unkeyable, collect
+from .collect import CHURN, CHURN_LIMIT, LEARNED, Learn, Unkeyable, collect
 from .logs import compile_status
 from .graph_task import in_graph_task
 from .trace import NotTwiceDifferentiable, capture_backward, guards_of, tensor_positions
@@ -76,6 +76,7 @@ def reset_runtime() -> None:
     _unsupported.clear()
     _failures.clear()
     LEARNED.clear()
+    CHURN.clear()
     with LOCK:
         _deferred.clear()
 
@@ -714,6 +715,11 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
                 raise
             CACHE.family(key, create=True).add(entry)  # only graphs that ran
             CACHE.evict(cfg.cache_size_limit)
+            if record is None and collected.pynodes:
+                for name in CHURN.note_capture(collected):
+                    warnings.warn(f"compiled_autograd: {name}'s ctx values (or the Python state its backward reads) "
+                                  f"changed in more than {CHURN_LIMIT} captures; it now runs as is, opaquely, instead of "
+                                  "a new capture per value (NOTE [Functions whose values change every step])", stacklevel=4)
             _start_compile_of(entry)  # NOTE [Background compile]
             if pkey is not None and entry.dynamic is None:
                 diskcache.store(pkey, entry)
