@@ -624,3 +624,44 @@ def test_helper_that_fails_to_build_is_tried_once_and_every_backward_runs_in_eag
     assert "could not be built" in reason and "Error building extension" in reason and "ninja" not in reason
     with pytest.raises(native.Unavailable):
         native.load()
+
+
+def test_a_background_compile_leaves_the_users_random_numbers_alone():
+    # NOTE [A background compile leaves the random state alone]: AOTAutograd and inductor wrap
+    # their work in dynamo's preserve_rng_state, which sets the global generator back to where
+    # it was when the compile started; in a background compile that undid the user's draws of
+    # meanwhile (dropout masks, shuffles), and the next ones repeated them. The backend here
+    # does what they do, for long enough that the user's thread draws inside
+    import time
+
+    def slow_backend(gm, example_inputs):
+        with torch._dynamo.utils.preserve_rng_state():
+            time.sleep(0.3)
+        return gm
+
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def run(compiled, pending=None):
+        """The user's draws: while the compile runs (as many as `pending` says, in eager), then
+        20 more, then the next step's forward and backward (through the compiled graph)."""
+        torch.manual_seed(0)
+        draws, counts = [], []
+        for step in range(2):
+            loss = torch.nn.functional.dropout(torch.randn(8, 16) @ w, 0.5, training=True).tanh().sum()
+            with ca.enable(slow_backend, background=True) if compiled else contextlib.nullcontext():
+                loss.backward()
+            n = 0
+            while (ca.stats().compiles_pending if compiled else n < pending[step]):
+                draws.append(torch.rand(1).item())
+                n += 1
+                time.sleep(0.001)
+            counts.append(n)
+            draws += [torch.rand(1).item() for _ in range(20)]
+        return draws, counts
+
+    got, counts = run(True)
+    want, _ = run(False, counts)
+    assert counts[0] > 10  # (drawn while the compile ran)
+    assert got == want
+    s = ca.stats()
+    assert (s.captures, s.hits, s.compiles_pending) == (1, 1, 0), s

@@ -326,6 +326,52 @@ def _patch_codegen_free() -> None:
 
 
 _inductor_compile = threading.local()  # .ours: this thread is compiling one of our graphs with inductor
+_background = threading.local()  # .active: this thread is one of our background compiles
+
+
+@contextlib.contextmanager
+def in_background():
+    """Mark this thread as one of our background compiles (NOTE [A background compile leaves
+    the random state alone])."""
+    _patch_preserve_rng_state()
+    _background.active = True
+    try:
+        yield
+    finally:
+        _background.active = False
+
+
+def _patch_preserve_rng_state() -> None:
+    """NOTE [A background compile leaves the random state alone]
+    AOTAutograd and inductor wrap their work in dynamo's `preserve_rng_state`: the global
+    generators' states are saved at the start and set back at the end. In the thread that
+    compiles, nothing else runs meanwhile. In our background compile the user's thread goes
+    on training, and its dropout masks and random draws of the 10 s a compile takes were
+    undone when it ended: the next steps drew the same numbers again, which eager never does
+    (found while testing the fuzzer in threads). Compiles run on fake tensors and draw no
+    random numbers (the test checks the user's stream is eager's), so in our background
+    threads that wrapper does nothing; everywhere else it is torch's."""
+    import sys
+
+    import torch._dynamo.utils as dynamo_utils
+
+    original = dynamo_utils.preserve_rng_state
+    if getattr(original, "_compiled_autograd", False):
+        return
+
+    @contextlib.contextmanager
+    def preserve_rng_state():
+        if getattr(_background, "active", False):
+            yield
+        else:
+            with original():
+                yield
+
+    preserve_rng_state._compiled_autograd = True
+    # (modules that imported the name, and dynamo's own, read at call time by the rest)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.") and getattr(module, "preserve_rng_state", None) is original:
+            module.preserve_rng_state = preserve_rng_state
 
 
 def _patch_mutation_renames() -> None:

@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import diskcache, native
-from .backends import BOXED, compile_graph, may_steal, static_fakes
+from .backends import BOXED, compile_graph, in_background, may_steal, static_fakes
 from .cache import CACHE, CompiledBackward, Dynamic
 from .config import Config
 from .stats import LOCK, STATS
@@ -366,7 +366,7 @@ def _compile_in_background(cfg: Config, key, entry: CompiledBackward, example, w
     def work():
         t0 = time.perf_counter()
         try:
-            with compile_status(what + " (in the background)"):
+            with compile_status(what + " (in the background)"), in_background():
                 fn = compile_graph(cfg.backend, graph, example, dynamic=is_dynamic, patches=cfg.inductor_patches)
             dynamic = _dynamic(captured, entry.sizes) if is_dynamic else None
             done = dataclasses.replace(
