@@ -8,7 +8,8 @@ backward inside a CPU autocast region); one program in 13 is in float64.
 Every leaf's grad (values and strides) and every retained grad is compared with eager's;
 where eager raises, the same error. CI runs 40 programs on eager, 10 on aot_eager and 3 on
 inductor, and 12 in three threads at once; `FUZZ_PROGRAMS=N` (from seed `FUZZ_FIRST`, default 0) runs more,
-`FUZZ_BACKEND=aot_eager|inductor` with another backend.
+`FUZZ_BACKEND=aot_eager|inductor` with another backend, `FUZZ_BACKGROUND=1` with background
+compiles (the traced graph replayed until the compiled one takes over).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fuzz_programs import build
 N = int(os.environ.get("FUZZ_PROGRAMS", "40"))
 FIRST = int(os.environ.get("FUZZ_FIRST", "0"))  # the first seed
 BACKEND = os.environ.get("FUZZ_BACKEND", "eager")
+BACKGROUND = os.environ.get("FUZZ_BACKGROUND") == "1"  # compile in the background, replaying meanwhile
 
 
 @pytest.fixture(autouse=True)
@@ -88,7 +90,7 @@ def run_program(seed: int, backend: str, mode: str = "backward") -> bool:
         init_grads()
         want, want_err = _outcome(mode, leaves, loss_fn, retained)
         init_grads()
-        with ca.enable(backend, fullgraph=mode != "create_graph", background=False):
+        with ca.enable(backend, fullgraph=mode != "create_graph" and not BACKGROUND, background=BACKGROUND):
             got, got_err = _outcome(mode, leaves, loss_fn, retained)
         where = f"seed {seed} {mode} step {step}"
         if want_err is not None or got_err is not None:

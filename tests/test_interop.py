@@ -9,6 +9,7 @@ did before, so each order runs in a fresh interpreter.
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -152,3 +153,48 @@ def test_an_fx_trace_in_another_thread_leaves_this_threads_modules_alone():
     assert not errors, errors
     assert seen["flag in trace"]
     assert [n.target for n in seen["graph"].graph.nodes if n.op == "call_function"] == [torch.ops.aten.sin.default]
+
+
+def test_the_users_torch_compile_waits_for_a_background_compile():
+    """NOTE [One compile at a time]: torch's compilers keep fx's node-meta state in process
+    globals, which inductor's compile sets and restores (`preserve_node_meta`) for its whole
+    length. With one of our compiles running in the background, most of the user's
+    torch.compile'd training functions compiled meanwhile failed ("Expected current_level >
+    0": the joint graph's backward found the meta the other thread had restored). The backend
+    here does what inductor's compile does to that state, often; the user's compiles wait."""
+    import compiled_autograd as ca
+
+    started = threading.Event()
+
+    def busy_backend(gm, example_inputs):
+        started.set()
+        for _ in range(300):
+            with torch.fx.traceback.preserve_node_meta():
+                time.sleep(0.001)
+        return gm
+
+    w = torch.randn(8, 8, requires_grad=True)
+    for step in range(2):  # the second backward a hit of the first's entry
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        w.grad = None
+        (x @ w).tanh().sum().backward()
+        want, w.grad = w.grad, None
+        loss = (x @ w).tanh().sum()
+        with ca.enable(busy_backend, background=True):
+            loss.backward()
+        torch.testing.assert_close(w.grad, want)
+        if step == 0:
+            assert started.wait(10)
+            errors = []
+            for i in range(4):  # new frames, compiled while ours runs
+                torch._dynamo.reset()
+                f = torch.compile(lambda x, w: (x @ w).sin().exp().sum() * (i + 1), backend="aot_eager")
+                try:
+                    w.grad = None
+                    f(x, w).backward()
+                    torch.testing.assert_close(w.grad, torch.func.grad(lambda w: (x @ w).sin().exp().sum() * (i + 1))(w))
+                except Exception as e:  # noqa: BLE001 - the failure this test is about
+                    errors.append(f"{type(e).__name__}: {str(e).splitlines()[:2]}")
+            assert not errors, errors
+    s = ca.stats()
+    assert (s.captures, s.hits, s.compile_failures) == (1, 1, 0), s

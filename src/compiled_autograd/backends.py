@@ -24,7 +24,38 @@ import torch
 from . import ops
 from .config import BackendLike
 
-_lock = threading.RLock()
+_lock = threading.RLock()  # one of our compiles at a time (NOTE [One compile at a time])
+
+
+# NOTE [One compile at a time]
+# Torch's compilers keep state in process globals: fx's node-meta state
+# (`torch.fx.traceback.current_meta` and `should_preserve_node_meta`, which
+# `preserve_node_meta()` sets and restores around inductor's and AOTAutograd's
+# work), dynamo's and inductor's own. Two compiles in two threads corrupt each
+# other: with a background compile of ours running, the user's torch.compile'd
+# training function failed in most compiles ("Expected current_level > 0": its
+# joint graph's backward found the node meta the other thread had restored). So
+# our compiles hold one lock, and once a background compile has been scheduled,
+# dynamo's compile of a frame (`convert_frame._compile`) in any thread takes it
+# too: the user's new frame waits for our compile to end (seconds), never runs
+# beside it. (Not inside one of our fx traces: a compile waiting there on a
+# compile that waits on that trace would never end.)
+def serialize_dynamo_compiles() -> None:
+    import torch._dynamo.convert_frame as convert_frame
+
+    original = convert_frame._compile
+    if getattr(original, "_compiled_autograd", False):
+        return
+
+    @functools.wraps(original)
+    def _compile(*args, **kwargs):
+        if _tracing_here():
+            return original(*args, **kwargs)
+        with _lock:
+            return original(*args, **kwargs)
+
+    _compile._compiled_autograd = True
+    convert_frame._compile = _compile
 
 
 # NOTE [One fx trace at a time]

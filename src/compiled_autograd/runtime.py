@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import diskcache, native
-from .backends import BOXED, compile_graph, in_background, may_steal, static_fakes
+from .backends import BOXED, compile_graph, in_background, may_steal, serialize_dynamo_compiles, static_fakes
 from .cache import CACHE, CompiledBackward, Dynamic
 from .config import Config
 from .stats import LOCK, STATS
@@ -388,6 +388,7 @@ def _compile_in_background(cfg: Config, key, entry: CompiledBackward, example, w
                 _pending.discard(threading.current_thread())
 
     def start():
+        serialize_dynamo_compiles()  # NOTE [One compile at a time] (backends.py)
         thread = threading.Thread(target=work, name="compiled_autograd compile", daemon=True)
         with LOCK:
             STATS.compiles_pending += 1
