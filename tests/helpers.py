@@ -72,3 +72,14 @@ def copies_in(fn) -> int:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         fn()
     return sum(1 for e in prof.events() if e.name == "aten::copy_" and e.input_shapes and e.input_shapes[0])
+
+
+def run_in_threads(target, args_per_thread) -> None:
+    """Start one thread per argument tuple, all at once, and wait for every one."""
+    import threading
+
+    threads = [threading.Thread(target=target, args=args) for args in args_per_thread]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()

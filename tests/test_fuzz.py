@@ -15,6 +15,7 @@ compiles (the traced graph replayed until the compiled one takes over).
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -213,7 +214,7 @@ def test_random_programs_in_threads_match_eager():
     # fork_rng; programs 2 and 5) and AOTAutograd's compile (it saves and restores the
     # generator's state around a compile: torch's, under torch.compile in any thread too), so
     # the eager backend
-    import threading
+    from helpers import run_in_threads
 
     backend = "eager"
 
@@ -242,11 +243,7 @@ def test_random_programs_in_threads_match_eager():
             failures.append(f"seeds {seeds}: {e!r}")
 
     seeds = [0, 1, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14]
-    threads = [threading.Thread(target=worker, args=(seeds[k::3],)) for k in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(worker, [(seeds[k::3],) for k in range(3)])
     assert not failures, failures
     s = ca.stats()
     assert s.hits >= 6 and s.eager_fallbacks == 0, s

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import compiled_autograd as ca
-from helpers import assert_grads_equal, copies_in, grads_of
+from helpers import assert_grads_equal, copies_in, grads_of, run_in_threads
 
 
 def _compare_logs(got, want, what):
@@ -1300,8 +1300,6 @@ def test_hook_and_node_calls_run_in_the_helper(backend):
 def test_hooked_backwards_in_two_threads_each_use_their_own_replay():
     # NOTE [Calls in the helper]: the helper's replay frames are per thread, as ops._replay is:
     # two threads running compiled backwards with hook calls at once each get their own results
-    import threading
-
     def make(seed):
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
@@ -1333,11 +1331,7 @@ def test_hooked_backwards_in_two_threads_each_use_their_own_replay():
         except BaseException as e:  # reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in (1, 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(worker, [(1,), (2,)])
     assert not errors, errors
     s = ca.stats()
     assert s.eager_fallbacks == 0 and s.captures <= 2 and s.hits >= 36, s  # (both may capture at once)
