@@ -43,9 +43,9 @@ _lock = threading.RLock()  # one of our compiles at a time (NOTE [One compile at
 def serialize_dynamo_compiles() -> None:
     import torch._dynamo.convert_frame as convert_frame
 
-    original = convert_frame._compile
-    if getattr(original, "_compiled_autograd", False):
-        return
+    original = getattr(convert_frame, "_compile", None)
+    if original is None or getattr(original, "_compiled_autograd", False):
+        return  # (None: a torch whose dynamo compiles frames elsewhere; nothing to wrap)
 
     @functools.wraps(original)
     def _compile(*args, **kwargs):
@@ -386,8 +386,8 @@ def _patch_preserve_rng_state() -> None:
 
     import torch._dynamo.utils as dynamo_utils
 
-    original = dynamo_utils.preserve_rng_state
-    if getattr(original, "_compiled_autograd", False):
+    original = getattr(dynamo_utils, "preserve_rng_state", None)
+    if original is None or getattr(original, "_compiled_autograd", False):
         return
 
     @contextlib.contextmanager
