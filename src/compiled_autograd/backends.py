@@ -381,7 +381,9 @@ def _patch_preserve_rng_state() -> None:
     undone when it ended: the next steps drew the same numbers again, which eager never does
     (found while testing the fuzzer in threads). Compiles run on fake tensors and draw no
     random numbers (the test checks the user's stream is eager's), so in our background
-    threads that wrapper does nothing; everywhere else it is torch's."""
+    threads that wrapper does nothing; everywhere else it is torch's. (Not exact under
+    max-autotune: inductor's autotuning benchmarks on random inputs, and those draws then
+    move the user's stream forward, where before the patch they moved it back.)"""
     import sys
 
     import torch._dynamo.utils as dynamo_utils
