@@ -1088,3 +1088,42 @@ def test_a_hook_whose_packed_value_hides_the_shape_learns_at_every_size():
         return loss, [w]
 
     observe(build, steps=len(sizes), captures=0, learning=3)
+
+
+class _ScaleByKeptTensor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.w = w  # a tensor on ctx: lifted, at a position that depends on the graph
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.w, None
+
+
+def test_a_function_in_many_graphs_with_the_same_values_stays_compiled():
+    # NOTE [Functions whose values change every step]: what is counted is its values, not the
+    # positions its ctx tensors are lifted at, which change with the graph around it
+    from compiled_autograd.collect import CHURN_LIMIT
+
+    w, k = leaf(4), torch.randn(4)
+    for depth in range(CHURN_LIMIT + 3):  # a new graph each, the Function's tensor lifted elsewhere
+        for seed in range(2):  # the second a hit
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))
+            extra = [leaf(4) for _ in range(depth)]
+
+            def loss():
+                h = x * w
+                for e in extra:
+                    h = h * e
+                return _ScaleByKeptTensor.apply(h, k).sin().sum()
+
+            w.grad = None
+            loss().backward()
+            want, w.grad = w.grad, None
+            l = loss()
+            with ca.enable("eager", fullgraph=True):
+                l.backward()
+            assert_grads_equal([w.grad], [want], what=f"depth {depth} seed {seed}")
+    s = ca.stats()
+    assert (s.captures, s.hits, s.opaque_nodes) == (CHURN_LIMIT + 3, CHURN_LIMIT + 3, 0), s

@@ -443,7 +443,7 @@ class _Churn:
         per_cls: dict = {}
         for _, k in pykeys:
             if len(k) == 7:  # ("py", cls, flags, needs_input_grad, saved, attrs, state): traced
-                per_cls.setdefault(k[1], set()).add((k[5], k[6]))
+                per_cls.setdefault(k[1], set()).add((_values_only(k[5]), k[6]))
         went = []
         with self.lock:
             for cls, values in per_cls.items():
@@ -464,6 +464,16 @@ class _Churn:
 
 
 CHURN = _Churn()
+
+
+def _values_only(key):
+    """A ctx attributes' key without the lifted positions of their tensors, which change with
+    the graph around the node, not with the values (`_value_key`: ("T", position))."""
+    if type(key) is tuple:
+        if len(key) == 2 and key[0] == "T" and type(key[1]) is int:
+            return ("T",)
+        return tuple(_values_only(x) for x in key)
+    return key
 
 
 def _collect_pynode(capture, idx: int, lift: _Lifter, keep_graph: bool) -> tuple[tuple, PyNodeInfo]:
