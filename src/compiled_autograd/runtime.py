@@ -381,7 +381,10 @@ def _compile_in_background(cfg: Config, key, entry: CompiledBackward, example, w
         except Exception as e:  # the traced graph keeps serving this backward
             with LOCK:
                 STATS.compile_failures += 1
-            log.warning("background compile failed, the traced graph stays in use: %s", e, exc_info=True)
+            if threading.main_thread().is_alive():
+                log.warning("background compile failed, the traced graph stays in use: %s", e, exc_info=True)
+            else:  # the interpreter is exiting: torch's modules are being torn down under the compile
+                log.debug("background compile ended by the interpreter's exit: %s", e)
         finally:
             with LOCK:
                 STATS.compiles_pending -= 1
