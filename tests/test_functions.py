@@ -855,6 +855,244 @@ def test_a_backward_that_reads_python_state_sees_its_current_value(kind):
         assert reason.startswith(f"{name}: ") and reason.count(name) == 1, reason
 
 
+_KERNEL = torch.tensor([1.0, 2.0, 3.0, 4.0])
+_WEIGHT = torch.tensor([0.5, -1.0, 2.0, 1.5], requires_grad=True)
+
+
+class _GlobalTensor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * _KERNEL  # a global tensor: lifted, read at every backward
+
+
+class _GlobalTensorOnce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        return g * _KERNEL  # read by the function the decorator's wrapper holds in its closure
+
+
+def _times_kernel(g):
+    return g * _KERNEL
+
+
+class _GlobalTensorInHelper(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return _times_kernel(g)  # read in a function it calls through a global: state
+
+
+class _GlobalTensorChanged(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        _KERNEL.add_(1.0)  # a running count kept in a global tensor
+        return g * _KERNEL
+
+
+class _GlobalParameter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * _WEIGHT  # differentiable under create_graph, as in eager
+
+
+_CALLS = 0
+
+
+class _CountsCalls(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        global _CALLS
+        _CALLS += 1  # a trace would run it once and a hit never
+        return g * _KERNEL
+
+
+def test_a_backward_that_writes_a_global_runs_opaquely():
+    for step in range(3):
+        x = leaf(4)
+        before = _CALLS
+        _CountsCalls.apply(x).sum().backward()
+        want, x.grad = x.grad, None
+        loss = _CountsCalls.apply(x).sum()
+        with ca.enable("eager"):
+            loss.backward()
+        torch.testing.assert_close(x.grad, want)
+        assert _CALLS == before + 2, step
+    s = ca.stats()
+    assert (s.captures, s.hits, s.opaque_nodes) == (1, 2, 3), s
+    (reason,) = s.opaque_reasons
+    assert "a write to global _CALLS" in reason, reason
+
+
+def _closure_function(t):
+    class _ClosureTensor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * t
+
+    return _ClosureTensor
+
+
+def _rebind(kind, fn, value):
+    global _KERNEL
+    if kind == "closure":
+        cell = fn.backward.__closure__[fn.backward.__code__.co_freevars.index("t")]
+        cell.cell_contents = value
+    else:
+        _KERNEL = value
+
+
+@pytest.mark.parametrize("kind", ["global", "once_differentiable", "closure"])
+def test_a_backward_reading_a_global_or_closure_tensor_is_compiled_and_sees_its_current_value(kind):
+    # NOTE [Tensors a backward reads from globals and closures]: such a Function ran opaquely;
+    # now the tensor is a graph input, read again at every backward: changed in place between
+    # steps, or rebound to another tensor, the hit uses what is there now
+    saved = _KERNEL
+    try:
+        fn = {"global": _GlobalTensor, "once_differentiable": _GlobalTensorOnce}.get(kind) or _closure_function(_KERNEL.clone())
+        for step in range(3):
+            if step == 1:
+                _rebind(kind, fn, torch.tensor([-1.0, 0.5, 4.0, 2.0]))
+            if step == 2:  # in place
+                (fn.backward.__closure__[0].cell_contents if kind == "closure" else _KERNEL).mul_(3.0)
+            x = leaf(4)
+            (fn.apply(x.sin()) * 2).sum().backward()
+            want, x.grad = x.grad, None
+            loss = (fn.apply(x.sin()) * 2).sum()
+            with ca.enable("eager", fullgraph=True):
+                loss.backward()
+            torch.testing.assert_close(x.grad, want, msg=f"step {step}")
+        s = ca.stats()
+        assert (s.captures, s.hits, s.opaque_nodes, s.eager_fallbacks) == (1, 2, 0, 0), s
+    finally:
+        _rebind("global", None, saved)
+
+
+def test_a_global_tensor_changed_by_a_hook_before_the_node_runs():
+    # eager's backward reads the tensor when its node runs, after the hook on y's consumer
+    saved = _KERNEL.clone()
+    try:
+        for step in range(2):
+            x = leaf(4)
+            outs = []
+            for compiled in (False, True):
+                _KERNEL.copy_(saved)
+                x.grad = None
+                y = _GlobalTensor.apply(x.sin())
+                z = y * 2
+                z.register_hook(lambda g: (_KERNEL.mul_(10.0), None)[1])
+                with ca.enable("aot_eager", fullgraph=True) if compiled else contextlib.nullcontext():
+                    z.sum().backward()
+                outs.append(x.grad)
+            torch.testing.assert_close(outs[1], outs[0], msg=f"step {step}")
+        s = ca.stats()
+        assert (s.captures, s.hits, s.opaque_nodes) == (1, 1, 0), s
+    finally:
+        _KERNEL.copy_(saved)
+
+
+@pytest.mark.parametrize("what", ["tensor", "number"])
+def test_a_hook_that_rebinds_a_global_the_backward_reads_raises(what):
+    # eager's backward reads the new binding when its node runs; the graph read the old one
+    # when the backward started: the last call before the node checks (Plan.ctx_checks)
+    global _KERNEL, _SCALE
+    saved = _KERNEL, _SCALE
+    fn = _GlobalTensor if what == "tensor" else _GlobalScale
+
+    def rebind(g):
+        global _KERNEL, _SCALE
+        if what == "tensor":
+            _KERNEL = torch.full((4,), 7.0)
+        else:
+            _SCALE = 7.0
+
+    try:
+        for step in range(3):
+            _KERNEL, _SCALE = saved
+            x = leaf(4)
+            z = fn.apply(x.sin()) * 2
+            z.register_hook(rebind if step == 2 else (lambda g: None))
+            with ca.enable("eager", fullgraph=True):
+                if step < 2:
+                    z.sum().backward()
+                    continue
+                with pytest.raises(RuntimeError, match=f"a hook set {'_KERNEL' if what == 'tensor' else '_SCALE'} "
+                                   rf"\(which the backward of {fn.__name__}Backward reads\) before that node ran"):
+                    z.sum().backward()
+        s = ca.stats()
+        assert (s.captures, s.hits) == (1, 2), s
+    finally:
+        _KERNEL, _SCALE = saved
+
+
+@pytest.mark.parametrize("fn", [_GlobalTensorInHelper, _GlobalTensorChanged])
+def test_a_global_tensor_a_trace_cannot_swap_runs_opaquely(fn):
+    # read by another function than the backward (through a global), or changed in place by
+    # the backward (a compiler's functional code would write it back only at the end)
+    saved = _KERNEL.clone()
+    try:
+        for step in range(2):
+            x = leaf(4)
+            outs = []
+            for compiled in (False, True):
+                _KERNEL.copy_(saved + step)
+                x.grad = None
+                loss = fn.apply(x.sin()).sum()
+                with ca.enable("eager") if compiled else contextlib.nullcontext():
+                    loss.backward()
+                outs.append((x.grad, _KERNEL.clone()))
+            torch.testing.assert_close(outs[1], outs[0], msg=f"step {step}")
+        s = ca.stats()
+        assert (s.opaque_nodes, s.eager_fallbacks) == (2, 0), s
+        (reason,) = s.opaque_reasons
+        assert ("_times_kernel" in reason) if fn is _GlobalTensorInHelper else ("changes in place" in reason), reason
+    finally:
+        _KERNEL.copy_(saved)
+
+
+def test_a_global_tensor_that_requires_grad_under_create_graph():
+    for step in range(2):
+        outs = []
+        x = leaf(4)
+        for compiled in (False, True):
+            _WEIGHT.grad = x.grad = None
+            with ca.enable("eager", fullgraph=True) if compiled else contextlib.nullcontext():
+                (gx,) = torch.autograd.grad(_GlobalParameter.apply(x).pow(2).sum(), x, create_graph=True)
+                (gx * (step + 1)).sum().backward()
+            outs.append([gx.detach(), x.grad, _WEIGHT.grad])
+        assert_grads_equal(outs[1], outs[0], what=f"step {step}")
+    s = ca.stats()
+    # the graph and its vjp's graph, each captured once and hit once
+    assert (s.captures, s.hits, s.opaque_nodes, s.eager_fallbacks) == (2, 2, 0, 0), s
+
+
 class _ReverseGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, lam):

@@ -91,6 +91,9 @@ class PyNodeInfo:
     attrs: tuple  # (name, structure): ctx attributes holding tensors, with lifted indices
     opaque_reason: str | None = None
     symints: tuple | None = None  # an inlined AOTAutograd backward's ctx.symints (NOTE [Inlining AOTAutograd backwards])
+    # (id of the globals dict or closure cell, name, lifted index): the tensors its backward reads from
+    # globals and closures (NOTE [Tensors a backward reads from globals and closures])
+    read: tuple = ()
     aot_start: int = 0  # where its ints sit among the Collected's `aot` sizes
 
 
@@ -257,9 +260,28 @@ def _value_key(v, lift: _Lifter, user: bool = True):
 # deep): names that resolve to modules, functions and classes of torch and the
 # standard library are fine; globals, closure cells and class attributes holding
 # immutable values (numbers, strings, dtypes, tuples of them) are read again at
-# every collect and keyed by value, as ctx's attributes are; anything else is
-# state, and the node runs opaquely (as is, every step). An nn.Module or user class
-# kept on ctx is state too (its attributes are not keyed).
+# every collect and keyed by value, as ctx's attributes are; plain tensors the
+# backward's own code reads from globals and closures are graph inputs (below); a
+# backward that writes a global or a closure cell (a count of its calls) would do it
+# once per trace and never on a hit; anything else is state, and the node runs
+# opaquely (as is, every step). An nn.Module or user class kept on ctx is state too
+# (its attributes are not keyed).
+#
+# NOTE [Tensors a backward reads from globals and closures]
+# A Function made by a factory closes over a tensor (a kernel, a mask); a module-level
+# constant tensor is read by name. A trace would freeze the tensor's values as a
+# constant, and the user may change them in place or rebind the name between steps.
+# Torch's built-in compiled autograd lifts them (dynamo makes globals graph inputs);
+# we lift them too: at every collect the name is read again, its tensor is lifted like
+# a ctx tensor (its metadata in the key, its data a graph input), and the trace calls
+# a copy of the backward (`swapped`) whose globals and closure cells give the tracer's
+# stand-in for it -- a copy, so no other thread ever sees the stand-in. Only the
+# backward's own code and the functions it reaches through closure cells (a
+# decorator's: once_differentiable) are copied; a tensor read by a function it calls
+# through a global, a module or a class is still state. Like a tensor kept on ctx,
+# eager reads it without a version check when the node runs, after the hooks before
+# it: it is passed on by a hook's call (NOTE [Hooks may change what the graph reads]);
+# a backward that changes it in place runs opaquely (as for ctx tensors).
 _PURE_MODULES = ("torch", "math", "cmath", "operator", "functools", "itertools", "numbers", "typing",
                  "builtins", "collections", "enum", "warnings", "numpy", "compiled_autograd", "_pytest")
 
@@ -268,7 +290,7 @@ def _pure_module(name: str) -> bool:
     return name.split(".")[0] in _PURE_MODULES
 
 
-def _state_in(v, depth: int, seen: set, keyed: list) -> str | None:
+def _state_in(v, depth: int, seen: set, keyed: list, liftable: bool = False) -> str | None:
     """Why reading `v` (a global, closure or ctx value) is reading state, or None."""
     if isinstance(v, types.ModuleType):
         return None if _pure_module(v.__name__) else f"module {v.__name__}"
@@ -282,7 +304,7 @@ def _state_in(v, depth: int, seen: set, keyed: list) -> str | None:
     if isinstance(v, types.FunctionType):
         if _pure_module(getattr(v, "__module__", "") or ""):
             return None
-        return _code_reads_state(v, depth + 1, seen, keyed)
+        return _code_reads_state(v, depth + 1, seen, keyed, liftable)
     if isinstance(v, (staticmethod, classmethod)):
         return _state_in(v.__func__, depth, seen, keyed)
     return f"a {type(v).__name__}"
@@ -292,11 +314,16 @@ def _immutable(v) -> bool:
     return isinstance(v, _SCALARS) or (type(v) is tuple and all(_immutable(x) for x in v))
 
 
-def _code_reads_state(fn, depth: int = 0, seen: set | None = None, keyed: list | None = None) -> str | None:
+def _code_reads_state(fn, depth: int = 0, seen: set | None = None, keyed: list | None = None,
+                      liftable: bool = True) -> str | None:
     """Why `fn`'s code reads Python state a trace would freeze, or None (NOTE [Python
     state a backward reads]). The reads of globals, closure cells and class attributes
     that hold immutable values (numbers, strings, dtypes, tuples of them) go to `keyed`
-    as (container, name): their values are part of the key."""
+    as (container, name): their values are part of the key. `liftable`: `fn` is the
+    function itself or reached from it through closure cells only (a decorator's
+    wrapped function), so a copy of it can read other values (`swapped`): its reads of
+    globals and closure cells holding plain tensors go to `keyed` as (container, name,
+    True) (NOTE [Tensors a backward reads from globals and closures])."""
     seen = set() if seen is None else seen
     keyed = [] if keyed is None else keyed
     if fn in seen:
@@ -327,14 +354,22 @@ def _code_reads_state(fn, depth: int = 0, seen: set | None = None, keyed: list |
                 else:
                     return f"global {name}"
                 what = f"{'closure' if closure else 'global'} {name}"
+                where = (fn.__closure__[code.co_freevars.index(name)], None) if closure else (fn.__globals__, name)
                 if _immutable(v):
-                    keyed.append((fn.__closure__[code.co_freevars.index(name)], None) if closure else (fn.__globals__, name))
+                    keyed.append(where)
                     continue
-                why = _state_in(v, depth, seen, keyed)
+                if liftable and type(v) in (torch.Tensor, torch.nn.Parameter):
+                    keyed.append((*where, True))
+                    continue
+                why = _state_in(v, depth, seen, keyed, liftable and closure)
                 if why is None and isinstance(v, type) and not _pure_module(getattr(v, "__module__", "") or ""):
                     why = _class_attr_state(v, instructions[i + 1 : i + 2], keyed)  # MyFunction.scale
                 if why is not None:
                     return f"{what} ({why})"
+            elif ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL") or (
+                ins.opname in ("STORE_DEREF", "DELETE_DEREF") and ins.argval in cells
+            ):  # (a count of calls: a trace runs it once, a hit never)
+                return f"a write to {'global' if 'GLOBAL' in ins.opname else 'closure'} {ins.argval}"
             elif ins.opname == "IMPORT_NAME" and not _pure_module(ins.argval):
                 return f"import {ins.argval}"
         codes.extend(k for k in c.co_consts if isinstance(k, types.CodeType))  # nested functions, lambdas
@@ -381,37 +416,96 @@ def _scan(fn) -> tuple:
     return cached
 
 
-def state_key(fn) -> tuple:
+def state_key(fn, tensors: list | None = None) -> tuple:
     """(why `fn` reads Python state a trace would freeze, or None; the current values of
-    the immutable globals, closure cells and class attributes it reads: for the key)."""
+    the immutable globals, closure cells and class attributes it reads: for the key).
+    With `tensors`, the plain tensors its own code reads from globals and closures go
+    there as (container, name, tensor), for the caller to lift; without, they are state."""
     why, keyed = _scan(fn)
     if why is not None:
         return why, ()
     values = []
-    for container, name in keyed:
-        if name is None:  # a closure cell
-            v = container.cell_contents if _cell_full(container) else _MISSING
-        elif isinstance(container, dict):
-            v = container.get(name, _MISSING)
-        else:
-            v = getattr(container, name, _MISSING)
+    for container, name, *is_tensor in keyed:
+        v = read_state(container, name)
+        if is_tensor:
+            if tensors is None or type(v) not in (torch.Tensor, torch.nn.Parameter):
+                return f"{name or 'a closure value'} (a {type(v).__name__})", ()
+            values.append(("T",))
+            tensors.append((container, name, v))
+            continue
         if not _immutable(v):
             return f"{name or 'a closure value'} (now a {type(v).__name__})", ()
         values.append(_exact(v))
     return None, tuple(values)
 
 
-def backward_state_key(cls) -> tuple:
-    """`state_key` of the function a custom Function's PyNode calls: vjp where
-    overridden, else backward. Torch's and ours (create_graph's) read none."""
+def read_state(container, name):
+    """The value now in a global (container: the globals dict), a closure cell (name None)
+    or a class attribute."""
+    if name is None:
+        return container.cell_contents if _cell_full(container) else _MISSING
+    if isinstance(container, dict):
+        return container.get(name, _MISSING)
+    return getattr(container, name, _MISSING)
+
+
+def state_reads(cls) -> tuple:
+    """(container, name) of the globals, closure cells and class attributes a traced custom
+    Function's backward reads (keyed by value, or lifted): a hook may rebind one before the
+    node runs (Plan.ctx_checks)."""
     if _pure_module(getattr(cls, "__module__", "") or ""):
-        return None, ()
+        return ()
+    fn = user_backward(cls)
+    if not isinstance(fn, types.FunctionType):
+        return ()
+    why, keyed = _scan(fn)
+    return () if why is not None else tuple((c, n) for c, n, *_ in keyed)
+
+
+def user_backward(cls):
+    """The function a custom Function's PyNode calls: vjp where overridden, else backward
+    (as `BackwardCFunction._get_user_fn`)."""
     vjp = getattr(cls, "vjp", None)
     fn = vjp if vjp is not None and vjp is not torch.autograd.Function.vjp else getattr(cls, "backward", None)
-    fn = getattr(fn, "__func__", fn)
+    return getattr(fn, "__func__", fn)
+
+
+def backward_state_key(cls, tensors: list | None = None) -> tuple:
+    """`state_key` of the function a custom Function's PyNode calls. Torch's and ours
+    (create_graph's) read none."""
+    if _pure_module(getattr(cls, "__module__", "") or ""):
+        return None, ()
+    fn = user_backward(cls)
     if not isinstance(fn, types.FunctionType):
         return "a backward that is not a function", ()
-    return state_key(fn)
+    return state_key(fn, tensors)
+
+
+def swapped(fn, values: dict):
+    """A copy of `fn` whose reads of the globals and closure cells in `values` ((id of
+    the globals dict or cell, name) -> value; a cell's name is None) give those values,
+    as do the copies of the functions its closure cells hold: only the caller of the
+    copy sees them (NOTE [Tensors a backward reads from globals and closures])."""
+
+    def copy(f, depth):
+        g = f.__globals__
+        mine = {name: v for (where, name), v in values.items() if where == id(g)}
+        if mine:
+            g = {**g, **mine}
+        cells = []
+        for cell in f.__closure__ or ():
+            if (id(cell), None) in values:
+                cell = types.CellType(values[(id(cell), None)])
+            elif depth < 3 and _cell_full(cell) and isinstance(cell.cell_contents, types.FunctionType) \
+                    and not _pure_module(getattr(cell.cell_contents, "__module__", "") or ""):
+                cell = types.CellType(copy(cell.cell_contents, depth + 1))  # (a decorator's function)
+            cells.append(cell)
+        new = types.FunctionType(f.__code__, g, f.__name__, f.__defaults__, tuple(cells) or None)
+        new.__kwdefaults__ = f.__kwdefaults__
+        new.__dict__.update(f.__dict__)
+        return new
+
+    return copy(fn, 0)
 
 
 _MISSING = object()
@@ -443,7 +537,7 @@ class _Churn:
         per_cls: dict = {}
         for _, k in pykeys:
             if len(k) == 7:  # ("py", cls, flags, needs_input_grad, saved, attrs, state): traced
-                per_cls.setdefault(k[1], set()).add((_values_only(k[5]), k[6]))
+                per_cls.setdefault(k[1], set()).add((_values_only(k[5]), _values_only(k[6])))
         went = []
         with self.lock:
             for cls, values in per_cls.items():
@@ -507,12 +601,17 @@ def _collect_pynode(capture, idx: int, lift: _Lifter, keep_graph: bool) -> tuple
     if churned is not None:
         info.opaque_reason = churned
         return ("py", cls, "opaque", churned), info
-    why, state = backward_state_key(cls)
+    read: list = []  # NOTE [Tensors a backward reads from globals and closures]
+    why, state = backward_state_key(cls, read)
     if why is not None:
-        info.opaque_reason = f"its backward reads {why}, which a trace would freeze"
+        if why.startswith("a write to"):
+            info.opaque_reason = f"its backward makes {why}, which a trace would make once and a cache hit never"
+        else:
+            info.opaque_reason = f"its backward reads {why}, which a trace would freeze"
         return ("py", cls, "opaque", info.opaque_reason), info
     try:
         info.saved = tuple(lift(t) if t is not None else -1 for t in saved)
+        info.read = tuple((id(where), name, lift(t)) for where, name, t in read)
         attrs = []
         attr_keys = []
         for name, value in sorted(vars(node).items()):
@@ -523,7 +622,7 @@ def _collect_pynode(capture, idx: int, lift: _Lifter, keep_graph: bool) -> tuple
     except Unkeyable as e:
         info.opaque_reason = str(e)
         return ("py", cls, "opaque", info.opaque_reason), info
-    key = ("py", cls, flags, tuple(node.needs_input_grad), info.saved, tuple(attr_keys), state)
+    key = ("py", cls, flags, tuple(node.needs_input_grad), info.saved, tuple(attr_keys), state + tuple(("T", i) for _, _, i in info.read))
     return key, info
 
 
@@ -595,7 +694,7 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
         k, info = _collect_pynode(capture, idx, lift, keep_graph)
         pykeys.append((idx, k))
         pynodes[idx] = info
-    grad_on_ctx = _grad_on_ctx(capture, pynodes)
+    grad_on_ctx = _grad_on_ctx(capture, pynodes, lifted)
     key = (capture.key(), tuple(pykeys), tuple(unpacked), tuple(in_graph), tuple(lift.extra_keys), grad_on_ctx)
     aot_ints: list = []  # sizes, as a dynamic capture may make them symbolic
     for info in pynodes.values():
@@ -619,12 +718,22 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
     )
 
 
-def _grad_on_ctx(capture, pynodes) -> bool:
-    """Whether a custom Function keeps on ctx the `.grad` of a leaf this backward accumulates
-    into: eager's AccumulateGrad adds into it in place, before a later node reads it, so
-    AccumulateGrad then runs in the graph at its eager position (not after the graph)."""
-    kept = {id(t) for info in pynodes.values() for _, v in info.attrs for t in _tensors(v)}
+def _grad_on_ctx(capture, pynodes, lifted) -> bool:
+    """Whether a custom Function keeps on ctx (or its backward reads from a global or a
+    closure) the `.grad` of a leaf this backward accumulates into: eager's AccumulateGrad
+    adds into it in place, before a later node reads it, so AccumulateGrad then runs in the
+    graph at its eager position (not after the graph)."""
+    kept = {id(lifted[i]) for i in kept_indices(pynodes, lifted)}
     return bool(kept) and any(id(g) in kept for g in capture.accumulated_grads())
+
+
+def kept_indices(pynodes, lifted) -> set:
+    """The lifted indices of the tensors custom Functions keep on ctx, and of those their
+    backwards read from globals and closures: eager reads them as they are when the node
+    runs, without a version check."""
+    index = {id(t): i for i, t in enumerate(lifted)}
+    out = {index[id(t)] for info in pynodes.values() for _, v in info.attrs for t in _tensors(v) if id(t) in index}
+    return out | {i for info in pynodes.values() for _, _, i in info.read}
 
 
 def _tensors(v) -> list:

@@ -276,19 +276,25 @@ def _shared_modified_error(kind, capture, node):
 
 def _check_ctx(snapshots) -> None:
     """A hook that rebinds an attribute of a custom Function's ctx before its backward runs
-    (`grad_fn.W = new`): eager's backward reads the new value, the traced one read the old
-    (a tensor lifted, a number keyed) when the backward started."""
-    for obj, items in snapshots:
+    (`grad_fn.W = new`), or a global or closure value its backward reads: eager's backward
+    reads the new value, the traced one read the old (a tensor lifted, a number keyed) when
+    the backward started."""
+    from .collect import read_state
+
+    for obj, items, state in snapshots:
         now = vars(obj)
-        for name, old in items:
-            new = now.get(name, _call)  # (_call: a value no ctx holds)
-            if new is old or (type(new) is type(old) and isinstance(old, (bool, int, float, complex, str)) and repr(new) == repr(old)):
-                continue
+        changed = [f"ctx.{name}" for name, old in items if not _same(now.get(name, _call), old)]  # (_call: a value no ctx holds)
+        changed += [name or "a closure value" for c, name, old in state if not _same(read_state(c, name), old)]
+        if changed:
             raise RuntimeError(
-                f"compiled_autograd: a hook set ctx.{name} of {obj.name()} before that node ran; "
-                "the compiled graph read it when the backward started (set it in the forward, "
+                f"compiled_autograd: a hook set {changed[0]} (which the backward of {obj.name()} reads) before "
+                "that node ran; the compiled graph read it when the backward started (set it in the forward, "
                 "change a tensor in place instead, or run this backward without compiled_autograd)"
             )
+
+
+def _same(new, old) -> bool:
+    return new is old or (type(new) is type(old) and isinstance(old, (bool, int, float, complex, str)) and repr(new) == repr(old))
 
 
 def _check_versions(tensors, expected) -> None:

@@ -30,7 +30,7 @@ from .cache import CACHE, CompiledBackward, Dynamic
 from .config import Config
 from .stats import LOCK, STATS
 from . import ops
-from .collect import CHURN, CHURN_LIMIT, LEARNED, Learn, Unkeyable, collect
+from .collect import CHURN, CHURN_LIMIT, LEARNED, Learn, Unkeyable, collect, read_state, state_reads
 from .logs import compile_status
 from .graph_task import in_graph_task
 from .trace import NotTwiceDifferentiable, capture_backward, guards_of, tensor_positions
@@ -547,7 +547,10 @@ def _replay(entry: CompiledBackward, capture, lifted, extra, hooks, releases=())
     versions = {slot: [args[i]._version for i in idx] for slot, idx in entry.plan.watch} or None
     # Plan.ctx_checks: custom Functions' ctx attributes as the trace read them
     ctx = {
-        slot: [(obj, list(vars(obj).items())) for obj in map(capture.node_object, idxs)]
+        slot: [
+            (obj, list(vars(obj).items()), [(c, n, read_state(c, n)) for c, n in state_reads(obj._forward_cls)])
+            for obj in map(capture.node_object, idxs)
+        ]
         for slot, idxs in entry.plan.ctx_checks
     } or None
 

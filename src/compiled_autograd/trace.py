@@ -54,7 +54,7 @@ from torch.fx.experimental.symbolic_shapes import (
 )
 
 from . import aot, ops
-from .collect import PYNODE_KIND, Collected, _tensors
+from .collect import PYNODE_KIND, Collected, _tensors, kept_indices, state_reads, swapped, user_backward
 
 ACCUMULATE_KIND = 1
 MAX_OPAQUE_RETRIES = 16  # traces of one backward, each making one more node opaque
@@ -451,10 +451,12 @@ class _BackwardTracer:
                 # its backward sees None for an undefined grad, and may branch on it
                 raise NeedsOpaque(idx, "set_materialize_grads(False) and a grad that may be None at run time")
             out = self._pynode(idx, tensors, args)
-            # the trace read this ctx's attributes as they were when the backward started;
-            # the last call before it checks that no hook has rebound one since (Plan.ctx_checks)
+            # the trace read this ctx's attributes, and the globals and closures its backward
+            # reads, as they were when the backward started; the last call before it checks
+            # that no hook has rebound one since (Plan.ctx_checks)
             last = next((i for i in range(len(self.slots) - 1, -1, -1) if self.slots[i].kind != ops.UNPACK), None)
-            if last is not None and vars(self.capture.node_object(idx)):
+            node = self.capture.node_object(idx)
+            if last is not None and (vars(node) or state_reads(node._forward_cls)):
                 self.ctx_checks.setdefault(last, []).append(idx)
             return out
         defined = [v for v in values if v is not None]
@@ -559,7 +561,7 @@ class _BackwardTracer:
             from . import native
 
             capture_swap = native.load().PyNodeSavedSwap(node, [args[i] if i >= 0 else None for i in info.saved])
-            kept = [args[i] for i in info.saved if i >= 0]
+            kept = [args[i] for i in info.saved if i >= 0] + [args[i] for _, _, i in info.read]
             for name, value in info.attrs:
                 originals[name] = value
                 rebuilt = _rebuild(value, self.c, args)
@@ -569,7 +571,11 @@ class _BackwardTracer:
             _tracing.active = True
             try:
                 with _ConstantsWithoutGradMode() if torch.is_grad_enabled() else contextlib.nullcontext():
-                    out = node.apply(*inputs)
+                    if info.read:  # NOTE [Tensors a backward reads from globals and closures]
+                        fn = swapped(user_backward(node._forward_cls), {(w, name): args[i] for w, name, i in info.read})
+                        out = fn(node, *inputs)  # (what BackwardCFunction.apply calls)
+                    else:
+                        out = node.apply(*inputs)
             finally:
                 _tracing.active = False
             if any(t._version != v for t, v in zip(kept, versions)):
@@ -977,15 +983,11 @@ def _passable(collected) -> frozenset:
     them on would keep each alive to the end of an inductor graph, which never frees an
     output it must not reuse (+17% peak memory on the hooked benchmark)."""
     out = {g for _, _, g in collected.capture.roots() if g >= 0}
-    out |= _ctx_tensors(collected)
+    out |= kept_indices(collected.pynodes, collected.lifted)
     out |= {i for i in collected.up_front if collected.lifted[i].dim() > 0}
     return frozenset(out)
 
 
-def _ctx_tensors(collected) -> set:
-    """The lifted indices of the tensors custom Functions keep on ctx."""
-    index = {id(t): i for i, t in enumerate(collected.lifted)}
-    return {index[id(t)] for info in collected.pynodes.values() for _, v in info.attrs for t in _tensors(v) if id(t) in index}
 
 
 def _order_reads_before_calls(
