@@ -381,9 +381,9 @@ def _compile_in_background(cfg: Config, key, entry: CompiledBackward, example, w
         except Exception as e:  # the traced graph keeps serving this backward
             with LOCK:
                 STATS.compile_failures += 1
-            if threading.main_thread().is_alive():
+            if not _exiting():
                 log.warning("background compile failed, the traced graph stays in use: %s", e, exc_info=True)
-            else:  # the interpreter is exiting: torch's modules are being torn down under the compile
+            else:  # torch's executors refuse work, its modules are torn down under the compile
                 log.debug("background compile ended by the interpreter's exit: %s", e)
         finally:
             with LOCK:
@@ -400,6 +400,12 @@ def _compile_in_background(cfg: Config, key, entry: CompiledBackward, example, w
 
     with LOCK:
         _deferred[id(entry)] = start
+
+
+def _exiting() -> bool:
+    """Whether the interpreter is exiting: threading's shutdown has begun (it first runs the
+    executors' exit hooks, after which they refuse new work), or the main thread has ended."""
+    return getattr(threading, "_SHUTTING_DOWN", False) or not threading.main_thread().is_alive()
 
 
 def synchronize(timeout: float | None = None) -> bool:
