@@ -770,25 +770,25 @@ def test_function_saving_none_is_traced():
     observe(build)
 
 
-_SCALE = 1.0
-_SCALES = [1.0]
+class _Clone(torch.autograd.Function):
+    """Subclassed by the Functions below, which differ in their backward only."""
 
-
-class _GlobalScale(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         return x.clone()
 
+
+_SCALE = 1.0
+_SCALES = [1.0]
+
+
+class _GlobalScale(_Clone):
     @staticmethod
     def backward(ctx, g):
         return g * _SCALE  # a global number: keyed by value
 
 
-class _GlobalListScale(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
+class _GlobalListScale(_Clone):
     @staticmethod
     def backward(ctx, g):
         return g * _SCALES[0]  # a global list: state a trace would freeze
@@ -859,21 +859,13 @@ _KERNEL = torch.tensor([1.0, 2.0, 3.0, 4.0])
 _WEIGHT = torch.tensor([0.5, -1.0, 2.0, 1.5], requires_grad=True)
 
 
-class _GlobalTensor(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
+class _GlobalTensor(_Clone):
     @staticmethod
     def backward(ctx, g):
         return g * _KERNEL  # a global tensor: lifted, read at every backward
 
 
-class _GlobalTensorOnce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
+class _GlobalTensorOnce(_Clone):
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
@@ -884,21 +876,13 @@ def _times_kernel(g):
     return g * _KERNEL
 
 
-class _GlobalTensorInHelper(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
+class _GlobalTensorInHelper(_Clone):
     @staticmethod
     def backward(ctx, g):
         return _times_kernel(g)  # read in a function it calls through a global: state
 
 
-class _GlobalTensorChanged(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
+class _GlobalTensorChanged(_Clone):
     @staticmethod
     def backward(ctx, g):
         _KERNEL.add_(1.0)  # a running count kept in a global tensor
@@ -918,11 +902,7 @@ class _GlobalParameter(torch.autograd.Function):
 _CALLS = 0
 
 
-class _CountsCalls(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
+class _CountsCalls(_Clone):
     @staticmethod
     def backward(ctx, g):
         global _CALLS
