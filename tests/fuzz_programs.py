@@ -3,7 +3,8 @@
 A program is a seed: it builds leaves and a list of ops over a growing pool of tensors
 (elementwise, broadcasting, matmul, reductions, views, in-place updates of views, indexing,
 casts, complex views, multi-output ops with unused outputs, dropout, batch norm, custom
-Functions (non-differentiable outputs, mark_dirty, once_differentiable), tensor, node and
+Functions (non-differentiable outputs, mark_dirty, once_differentiable, tensors read from a
+global or a closure), tensor, node and
 post-accumulate hooks, retain_grad, a saved tensor changed in place (eager raises),
 torch.compile'd regions), then sums the pool into a loss; some forwards run under CPU
 autocast to bfloat16. Leaves may have hooks and a .grad before the backward. The same seed
@@ -81,6 +82,38 @@ class Cube(torch.autograd.Function):
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
         return 3 * g * x * x
+
+
+_GAIN = torch.tensor([1.25])  # read by GlobalGain's backward: a graph input, not a constant
+
+
+class GlobalGain(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * _GAIN + 1
+
+
+def _closure_gain(gain):
+    class ClosureGain(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x.sin()
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return g * x.cos() * gain
+
+    return ClosureGain
+
+
+ClosureGain = _closure_gain(torch.tensor(0.75))
 
 
 def _quarter_grad(p):
@@ -292,7 +325,8 @@ def _op2(kind, o, a, b, d, leaves, consts, retained):
     elif kind == 50:
         y = MulInPlace.apply(a.clone(), o.choice([0.5, -0.3])) * b
     elif kind == 51:
-        y = Cube.apply(a) + b
+        r = o.random()
+        y = (Cube.apply(a) if r < 0.6 else GlobalGain.apply(a) if r < 0.8 else ClosureGain.apply(a)) + b
     elif kind == 52:  # node hooks on an intermediate
         y = a * b + 1
         if y.grad_fn is not None:
