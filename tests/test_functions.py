@@ -998,6 +998,25 @@ def test_a_global_tensor_changed_by_a_hook_before_the_node_runs():
         _KERNEL.copy_(saved)
 
 
+class _BothBackwardAndVjp(_Clone):
+    @staticmethod
+    def backward(ctx, g):
+        return g * _KERNEL
+
+    @staticmethod
+    def vjp(ctx, g):
+        return g * _KERNEL
+
+
+def test_a_global_tensor_reading_function_with_backward_and_vjp_gets_eagers_error():
+    # the trace calls a copy of the user's function, not node.apply: eager's check comes first
+    for compiled in (False, True):
+        x = leaf(4)
+        with ca.enable("eager") if compiled else contextlib.nullcontext():
+            with pytest.raises(RuntimeError, match="Implementing both 'backward' and 'vjp'"):
+                _BothBackwardAndVjp.apply(x).sum().backward()
+
+
 @pytest.mark.parametrize("what", ["tensor", "number"])
 def test_a_hook_that_rebinds_a_global_the_backward_reads_raises(what):
     # eager's backward reads the new binding when its node runs; the graph read the old one
@@ -1050,7 +1069,7 @@ def test_a_global_tensor_a_trace_cannot_swap_runs_opaquely(fn):
                 outs.append((x.grad, _KERNEL.clone()))
             torch.testing.assert_close(outs[1], outs[0], msg=f"step {step}")
         s = ca.stats()
-        assert (s.opaque_nodes, s.eager_fallbacks) == (2, 0), s
+        assert (s.captures, s.hits, s.opaque_nodes, s.eager_fallbacks) == (1, 1, 2, 0), s
         (reason,) = s.opaque_reasons
         assert ("_times_kernel" in reason) if fn is _GlobalTensorInHelper else ("changes in place" in reason), reason
     finally:

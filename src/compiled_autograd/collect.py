@@ -458,8 +458,11 @@ def state_reads(cls) -> tuple:
     fn = user_backward(cls)
     if not isinstance(fn, types.FunctionType):
         return ()
-    why, keyed = _scan(fn)
-    return () if why is not None else tuple((c, n) for c, n, *_ in keyed)
+    reads = _READS_OF.get(fn)
+    if reads is None:  # (once per function: the hits of graphs with hooks ask per node)
+        why, keyed = _scan(fn)
+        reads = _READS_OF[fn] = () if why is not None else tuple((c, n) for c, n, *_ in keyed)
+    return reads
 
 
 def user_backward(cls):
@@ -510,6 +513,7 @@ def swapped(fn, values: dict):
 
 _MISSING = object()
 _STATE_READS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_READS_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fn -> `state_reads`
 
 
 # NOTE [Functions whose values change every step]

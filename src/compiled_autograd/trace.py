@@ -572,7 +572,9 @@ class _BackwardTracer:
             try:
                 with _ConstantsWithoutGradMode() if torch.is_grad_enabled() else contextlib.nullcontext():
                     if info.read:  # NOTE [Tensors a backward reads from globals and closures]
-                        fn = swapped(user_backward(node._forward_cls), {(w, name): args[i] for w, name, i in info.read})
+                        # (_get_user_fn: eager's own error for a Function with both backward and vjp)
+                        user = node._get_user_fn() if hasattr(node, "_get_user_fn") else user_backward(node._forward_cls)
+                        fn = swapped(getattr(user, "__func__", user), {(w, name): args[i] for w, name, i in info.read})
                         out = fn(node, *inputs)  # (what BackwardCFunction.apply calls)
                     else:
                         out = node.apply(*inputs)
@@ -986,8 +988,6 @@ def _passable(collected) -> frozenset:
     out |= kept_indices(collected.pynodes, collected.lifted)
     out |= {i for i in collected.up_front if collected.lifted[i].dim() > 0}
     return frozenset(out)
-
-
 
 
 def _order_reads_before_calls(
