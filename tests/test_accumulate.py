@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import compiled_autograd as ca
-from helpers import copies_in
+from helpers import assert_grads_equal, copies_in
 
 
 def both(fn, leaves_factory, backend="eager"):
@@ -28,8 +28,7 @@ def test_grad_none_is_assigned_then_accumulated_in_place():
         (x2 @ w).pow(2).sum().backward()
     assert w.grad is g, "accumulation must be in place, like eager"
     ref = torch.autograd.grad((x1 @ w).pow(2).sum(), w)[0] + torch.autograd.grad((x2 @ w).pow(2).sum(), w)[0]
-    torch.testing.assert_close(w.grad, ref)
-    torch.testing.assert_close(first, torch.autograd.grad((x1 @ w).pow(2).sum(), w)[0])
+    assert_grads_equal([w.grad, first], [ref, torch.autograd.grad((x1 @ w).pow(2).sum(), w)[0]], exact=True)
     assert ca.stats().captures == 1 and ca.stats().hits == 1
 
 
@@ -45,8 +44,7 @@ def test_zero_grad_set_to_none_false_then_backward():
     for p, g in zip(model.parameters(), grads):
         assert p.grad is g
     ref = torch.autograd.grad(model(x).pow(2).sum(), list(model.parameters()))
-    for p, r in zip(model.parameters(), ref):
-        torch.testing.assert_close(p.grad, r)
+    assert_grads_equal([p.grad for p in model.parameters()], list(ref), exact=True)
 
 
 def test_leaf_that_does_not_require_grad_gets_nothing():
@@ -83,7 +81,7 @@ def test_layout_contract_channels_last_and_transposed_params():
     e, c = both(fn, leaves)
     for a, b in zip(e, c):
         assert a.grad.stride() == b.grad.stride()
-        torch.testing.assert_close(a.grad, b.grad)
+    assert_grads_equal([b.grad for b in c], [a.grad for a in e], exact=True)
 
 
 def test_leaf_used_as_root():
@@ -106,9 +104,7 @@ def test_mixed_precision_leaf():
         return (a.float() @ torch.ones(4, 4)).sum() + (b.float() * 3).pow(2).sum()
 
     e, c = both(fn, leaves)
-    for a, b in zip(e, c):
-        assert b.grad.dtype == a.grad.dtype
-        torch.testing.assert_close(a.grad, b.grad)
+    assert_grads_equal([b.grad for b in c], [a.grad for a in e], exact=True)  # (dtypes too)
 
 
 def test_in_graph_accumulate_steals_a_fresh_grad_as_eager_and_copies_a_users_tensor():
@@ -139,8 +135,7 @@ def test_in_graph_accumulate_steals_a_fresh_grad_as_eager_and_copies_a_users_ten
                 g.add_(1.0)  # the user's tensor changes afterwards: no grad may alias it
                 runs.append((copies, [w.grad.clone(), x.grad.clone()], seen))
             (eager_copies, want, want_seen), (copies, got, got_seen) = runs
-            for a, b in zip(got + got_seen, want + want_seen):
-                torch.testing.assert_close(a, b)
+            assert_grads_equal(got + got_seen, want + want_seen, what=f"{backend} step {step}", exact=True)
             if step == 1:  # a hit: no copy beyond eager's (the hook's clones are in both)
                 assert copies <= eager_copies, (backend, copies, eager_copies)
         s = ca.stats()
@@ -228,8 +223,7 @@ def test_a_grad_the_graph_still_reads_is_not_handed_to_accumulate_grad():
 
     for backend in ("eager", "aot_eager"):
         for step in range(2):
-            for got, want in zip(run(backend, step), run(None, step)):
-                torch.testing.assert_close(got, want)
+            assert_grads_equal(run(backend, step), run(None, step), what=f"{backend} step {step}", exact=True)
         s = ca.stats()
         assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), (backend, s)
         ca.reset()
@@ -259,8 +253,7 @@ def test_a_grad_from_a_multi_output_op_is_still_stolen():
                 copies = copies_in(backward)
                 runs.append((copies, [x.grad, conv.weight.grad, conv.bias.grad]))
             (eager_copies, want), (copies, got) = runs
-            for a, b in zip(got, want):
-                torch.testing.assert_close(a, b)
+            assert_grads_equal(got, want, what=f"{backend} step {step}", exact=True)
             if step == 1:
                 assert copies <= eager_copies, (backend, copies, eager_copies)
         s = ca.stats()
@@ -309,7 +302,6 @@ def test_a_grad_a_leaf_hook_keeps_is_not_handed_to_dotgrad(backend):
     want, want_shared = run(False)
     got, shared = run(True)
     assert not want_shared and not shared
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w)
+    assert_grads_equal(got, want, exact=True)
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 2, 0), s

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import compiled_autograd as ca
-from helpers import assert_grads_equal, grads_of, parity
+from helpers import tolerance, assert_grads_equal, grads_of, parity
 
 
 @pytest.fixture(autouse=True)
@@ -90,7 +90,7 @@ def test_a_dynamic_region_compiles_once_for_new_batch_sizes():
             else:
                 loss.backward()
             runs.append(grads_of(params))
-        assert_grads_equal(runs[1], runs[0], what=f"batch {b}")
+        assert_grads_equal(runs[1], runs[0], what=f"batch {b}", exact=True)
     s = ca.stats()
     assert (s.captures, s.dynamic_captures, s.hits, s.opaque_nodes) == (2, 1, 2, 0), s
 
@@ -106,7 +106,7 @@ def test_create_graph_runs_a_region_as_is():
         (want,) = torch.autograd.grad(region(x).sum(), w, create_graph=True)
         with ca.enable("aot_eager"):
             (got,) = torch.autograd.grad(region(x).sum(), w, create_graph=True)
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert_grads_equal([got], [want], what=f"step {step}", exact=True)
         assert got.requires_grad == want.requires_grad
     s = ca.stats()
     assert (s.captures, s.eager_fallbacks) == (0, 2), s
@@ -114,7 +114,9 @@ def test_create_graph_runs_a_region_as_is():
 
 
 def test_an_inductor_compiled_region():
-    # inductor's forward: its partitioner's backward, with the view-to-reshape rewrite
+    # inductor's forward: its partitioner's backward, with the view-to-reshape rewrite. The
+    # reference runs the region's backward with inductor's fused kernels, our aot_eager graph
+    # runs that backward graph with eager's kernels: equal within inductor's rounding only
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
     compiled = torch.compile(model, backend="inductor")
@@ -123,8 +125,7 @@ def test_an_inductor_compiled_region():
         model.parameters(),
         lambda s: (torch.randn(10, 8),),
         backend="aot_eager",
-        rtol=1e-5,
-        atol=1e-6,
+        **tolerance("inductor"),
     )
     assert ca.stats().opaque_nodes == 0, ca.stats().opaque_reasons
 
@@ -176,7 +177,7 @@ def test_regions_with_buffers_mutated_and_outputs_unused_or_not_differentiable()
         return h.pow(2).mean() + index.float().sum() * 0
 
     params = [*conv.parameters(), *bn.parameters()]
-    parity(loss, params, lambda s: (torch.randn(2, 3, 8, 8),), backend="aot_eager", rtol=1e-5, atol=1e-6)
+    parity(loss, params, lambda s: (torch.randn(2, 3, 8, 8),), backend="aot_eager")
     assert ca.stats().opaque_nodes == 0, ca.stats().opaque_reasons
 
 
@@ -193,7 +194,7 @@ def test_a_region_whose_backward_graph_has_as_strided_runs_as_is():
         w.grad = None
         with ca.enable("aot_eager"):
             region(x).sum().backward()
-        torch.testing.assert_close(w.grad, want, rtol=0, atol=0)
+        assert_grads_equal([w.grad], [want], what=f"step {step}", exact=True)
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
     assert any("as_strided" in r for r in s.opaque_reasons), s.opaque_reasons

@@ -17,9 +17,9 @@ def test_ca_backward_and_grad_functions():
     x = torch.randn(2, 4, requires_grad=True)
     ref = torch.autograd.grad((x @ w).tanh().sum(), [x, w])
     got = ca.grad((x @ w).tanh().sum(), [x, w], backend="eager")
-    assert_grads_equal(list(got), list(ref))
+    assert_grads_equal(list(got), list(ref), exact=True)
     ca.backward((x @ w).tanh().sum(), backend="eager")
-    assert_grads_equal([x.grad, w.grad], list(ref))
+    assert_grads_equal([x.grad, w.grad], list(ref), exact=True)
     s = ca.stats()
     assert s.captures == 2 and s.eager_fallbacks == 0
 
@@ -37,7 +37,7 @@ def test_multiple_roots_with_grad_tensors():
     a.grad = b.grad = None
     with ca.enable("eager", fullgraph=True):
         torch.autograd.backward(roots(), g)
-    assert_grads_equal([a.grad, b.grad], ref)
+    assert_grads_equal([a.grad, b.grad], ref, exact=True)
 
 
 def test_backward_inputs_only_accumulates_into_those():
@@ -67,7 +67,7 @@ def test_backward_inputs_with_a_non_leaf_accumulates_into_its_grad_as_eager():
         want_retains, want = run(False, seed)
         got_retains, got = run(True, seed)
         assert got_retains and want_retains
-        assert_grads_equal(got, want, what=f"seed {seed}")
+        assert_grads_equal(got, want, what=f"seed {seed}", exact=True)
     s = ca.stats()
     assert s.eager_fallbacks == 0, s.fallback_reasons
     assert (s.captures, s.hits) == (2, 2), s
@@ -105,7 +105,7 @@ def test_gradient_edges_as_roots_and_inputs_match_eager():
         return [gh, gs, gx, gw, w.grad, x.grad]
 
     for seed in (0, 1):
-        assert_grads_equal(run(True, seed), run(False, seed), what=f"seed {seed}")
+        assert_grads_equal(run(True, seed), run(False, seed), what=f"seed {seed}", exact=True)
     s = ca.stats()
     assert s.eager_fallbacks == 0, s.fallback_reasons
     assert (s.captures, s.hits) == (4, 4), s
@@ -191,7 +191,7 @@ def test_is_grads_batched_falls_back_with_its_reason():
         want = torch.autograd.grad((x @ w).tanh(), [x, w], v, is_grads_batched=True)
         with ca.enable("eager"):
             got = torch.autograd.grad((x @ w).tanh(), [x, w], v, is_grads_batched=True)
-        torch.testing.assert_close(got, want)
+        assert_grads_equal(list(got), list(want), what=f"seed {seed}", exact=True)
     assert ca.stats().fallback_reasons["grads batched by vmap (is_grads_batched=True)"] == 2, ca.stats().fallback_reasons
     with pytest.raises(ca.CompiledAutogradError, match="vmap"):
         with ca.enable("eager", fullgraph=True):
@@ -221,7 +221,7 @@ def test_torch_func_transforms_fall_back_with_their_reason(transform):
         want = run(x)
         with ca.enable("eager"):
             got = run(x)
-        torch.testing.assert_close(got, want)
+        assert_grads_equal([got], [want], what=f"seed {seed}", exact=True)
     s = ca.stats()
     assert s.captures == 0 and s.eager_fallbacks >= 2 and set(s.fallback_reasons) == {"functorch transform active"}, s
 
@@ -508,7 +508,7 @@ def test_grad_with_inputs_computes_only_the_outputs_it_needs():
         want = torch.autograd.grad(conv(x).sum(), x)[0]
         with ca.enable("eager", fullgraph=True):
             (got,) = torch.autograd.grad(conv(x).sum(), x)
-        torch.testing.assert_close(got, want)
+        assert_grads_equal([got], [want], what=f"seed {seed}", exact=True)
     masks = [n.args[-1] for n in ca.graphs()[0].graph.graph.nodes if "convolution_backward" in str(n.target)]
     assert masks == [[True, False, False]], masks
     assert (ca.stats().captures, ca.stats().hits) == (1, 1)
@@ -590,8 +590,7 @@ def test_untested_torch_runs_every_backward_in_eager(monkeypatch):
         want = _mlp_step(model, x, compiled=False)
         with pytest.warns(UserWarning, match="not a release") if step == 0 else contextlib.nullcontext():
             got = _mlp_step(model, x, compiled=True)
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        assert_grads_equal(got, want, what=f"step {step}", exact=True)
     s = ca.stats()
     assert s.captures == 0 and s.eager_fallbacks == 2 and s.fallback_reasons[why] == 2
     with pytest.raises(ca.CompiledAutogradError, match="not a release"):
@@ -618,8 +617,7 @@ def test_helper_that_fails_to_build_is_tried_once_and_every_backward_runs_in_eag
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             got = _mlp_step(model, x, compiled=True)
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        assert_grads_equal(got, want, what=f"step {step}", exact=True)
     assert len(tries) == 1
     (reason,) = ca.stats().fallback_reasons
     assert "could not be built" in reason and "Error building extension" in reason and "ninja" not in reason
@@ -669,21 +667,21 @@ def test_a_background_compile_leaves_the_users_random_numbers_alone():
 
 
 def test_background_compile_cut_short_by_exit_is_quiet(tmp_path):
-    # A script that ends while a background compile runs: torch's modules are torn down under
-    # the compile (seen: "'prims' object has no attribute 'device_put'"), which is no failure
-    # to warn about; one that fails while the script runs still warns.
+    # A script that ends while a background compile runs: the exit waits for it (NOTE
+    # [Background compiles at exit]), while torch's executors refuse new work (seen: "cannot
+    # schedule new futures after interpreter shutdown"), which is no failure to warn about;
+    # one that fails while the script runs still warns. (tests/test_exit.py: the rest.)
     import subprocess
     import sys
 
     script = tmp_path / "ends_early.py"
     script.write_text(
-        "import atexit, sys, threading, torch, compiled_autograd as ca\n"
-        "at_exit = threading.Event()\n"
+        "import sys, threading, time, torch, compiled_autograd as ca\n"
         "def backend(gm, example_inputs):\n"
         "    if sys.argv[1] == 'exit':\n"
-        "        at_exit.wait(30)\n"
+        "        while threading.main_thread().is_alive() and not getattr(threading, '_SHUTTING_DOWN', False):\n"
+        "            time.sleep(0.01)\n"
         "    raise RuntimeError('torn down')\n"
-        "atexit.register(lambda: (at_exit.set(), ca.synchronize(30)))\n"
         "w = torch.randn(4, requires_grad=True)\n"
         "with ca.enable(backend, background=True, disk_cache=False):\n"
         "    w.exp().sum().backward()\n"

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import compiled_autograd as ca
-from helpers import assert_grads_equal, grads_of
+from helpers import assert_grads_equal, grads_of, tolerance
 
 
 def run_both(fn, leaves, backend="eager"):
@@ -20,7 +20,7 @@ def run_both(fn, leaves, backend="eager"):
     with ca.enable(backend, fullgraph=True):
         loss.backward()
     got = grads_of(leaves)
-    assert_grads_equal(got, want)
+    assert_grads_equal(got, want, **tolerance(backend))
     return got
 
 

@@ -11,9 +11,11 @@ not) case fails the test, listing them; fallbacks, opaque nodes and recaptures a
 """
 
 import logging
+import re
 import warnings
 
 import pytest
+import torch
 
 from compiled_autograd import conformance as conf
 
@@ -21,11 +23,39 @@ from compiled_autograd import conformance as conf
 SAMPLES = 2
 
 
+@pytest.fixture(autouse=True)
+def _bitwise(monkeypatch):
+    # every case here runs the eager or aot_eager backend, which run eager's kernels in eager's
+    # order: the grads must be bitwise eager's (rtol = atol = 0; NaN where eager has NaN)
+    for dtype in (torch.float32, torch.float64):
+        monkeypatch.setitem(conf.DEFAULT_TOL, dtype, (0.0, 0.0))
+
+
+# Cases known not to be bitwise eager's (reported; each one a strict expected failure: a case
+# listed here that becomes bitwise fails the test, so the list is kept to what is true)
+NOT_BITWISE = {
+    # eager's CPU formula sums grad.masked_select(mask); the trace (no data-dependent shapes)
+    # sums where(mask, grad, 0): another summation order (~1e-7)
+    "op:masked_fill float32 sample 1 backward": "value's grad summed in another order",
+    # eager takes grad * result / input when the input has no zero; the trace cannot branch on
+    # the data and always runs the zero-safe cumprod formula (~3e-8)
+    "op:prod float32 sample 1 backward": "zero-safe formula where eager divides",
+    # the second-order grad through the create_graph graph (~1e-6)
+    "op:linalg.pinv float32 sample 0 create_graph": "second-order grad not bitwise",
+}
+
+
 def _check(report, min_cases=1):
-    bugs = report.bugs()
+    bugs = [c for c in report.bugs() if not (c.status == "wrong" and c.case_id in NOT_BITWISE)]
     if bugs:
         lines = [f"{c.status.upper()}: {c.case_id}: {c.reason}" for c in bugs]
         pytest.fail(f"{len(bugs)} conformance bug(s) ({report.backend}):\n" + "\n".join(lines), pytrace=False)
+    for c in report.cases:  # ... and off in the last bits only (within the tolerance these tests had before)
+        if c.status == "wrong" and c.case_id in NOT_BITWISE:
+            m = re.search(r"max abs diff (\S+) \(max \|eager grad\| (\S+),", c.reason)
+            assert m and float(m[1]) <= 1e-5 + 1e-4 * float(m[2]), f"{c.case_id}: {c.reason}"
+    now_bitwise = [c.case_id for c in report.cases if c.case_id in NOT_BITWISE and c.status != "wrong"]
+    assert not now_bitwise, f"now bitwise eager's (or no longer run): remove from NOT_BITWISE: {now_bitwise}"
     ran = [c for c in report.cases if not c.status.startswith("skipped")]
     assert len(ran) >= min_cases, f"only {len(ran)} cases ran"
     compiled = [c for c in ran if c.status in ("compiled", "opaque")]

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import compiled_autograd as ca
-from helpers import assert_grads_equal, grads_of
+from helpers import assert_grads_equal, grads_of, tolerance
 
 
 def stream(model, shapes, backend="eager", make=None, **options):
@@ -28,7 +28,7 @@ def stream(model, shapes, backend="eager", make=None, **options):
         loss = model(x).float().pow(2).mean()
         with ca.enable(backend, fullgraph=True, **options):
             loss.backward()
-        assert_grads_equal(grads_of(params), want, rtol=1e-4, atol=1e-5, what=f"shape {shape}")
+        assert_grads_equal(grads_of(params), want, **tolerance(backend), what=f"shape {shape}")
     s = ca.stats()
     assert s.eager_fallbacks == 0
     return s
@@ -232,8 +232,10 @@ def test_checkpointed_blocks_many_batch_sizes_two_captures(backend):
     # the shapes of the tensors unpacked in the graph become symbols like any other size
     shapes = [(b, 16) for b in [7] + shuffled(7, 3, 64, seed=1)]
     s = stream(Checkpointed(), shapes, backend)
-    assert (s.captures, s.dynamic_captures) == (2, 1)
-    assert s.hits == len(shapes) - 2
+    # the first backward learns, in eager, the layouts of the recomputed tensors (NOTE
+    # [Layouts of call outputs]); other sizes use what it learned
+    assert (s.learning_backwards, s.captures, s.dynamic_captures) == (1, 2, 1)
+    assert s.hits == len(shapes) - 3
     report = ca.explain()
     # the first block's input needs no grad: its weight is not saved (3 * 5 - 1)
     assert "saved-tensor hooks: 14 tensors unpacked in the graph" in report
@@ -265,7 +267,7 @@ def test_a_backward_that_specializes_on_a_size_gets_a_few_dynamic_graphs_then_st
         loss = _SqrtOfBatch.apply(x * w).sum()
         with ca.enable("eager"):
             (got,) = torch.autograd.grad(loss, w)
-        torch.testing.assert_close(got, want)
+        assert_grads_equal([got], [want], what=f"batch {b}", exact=True)
     s = ca.stats()
     assert s.eager_fallbacks == 0 and s.captures == 8, s
     assert s.dynamic_captures <= 3, s

@@ -14,15 +14,17 @@ import torch
 import torch.nn as nn
 
 import compiled_autograd as ca
-from helpers import assert_grads_equal, copies_in, grads_of, run_in_threads
+from helpers import EXACT_BACKENDS, tolerance, assert_grads_equal, copies_in, grads_of, run_in_threads
 
 
-def _compare_logs(got, want, what):
+def _compare_logs(got, want, what, exact=False):
     assert len(got) == len(want), f"{what}: {len(got)} observations vs eager {len(want)}:\n{got}\n{want}"
     for i, (g, w) in enumerate(zip(got, want)):
         assert type(g) is type(w), f"{what} #{i}: {g!r} vs {w!r}"
         if isinstance(w, tuple):
-            _compare_logs(list(g), list(w), f"{what} #{i}")
+            _compare_logs(list(g), list(w), f"{what} #{i}", exact)
+        elif isinstance(w, torch.Tensor) and exact:
+            assert_grads_equal([g], [w], what=f"{what} #{i}", exact=True)
         elif isinstance(w, torch.Tensor):
             torch.testing.assert_close(g, w, msg=lambda m: f"{what} #{i}: {m}")
         else:
@@ -46,8 +48,8 @@ def observe(build, backend="eager", steps=2, captures=1, n_opaque=0, hits=None, 
                 loss.backward()
             runs.append((grads_of(leaves), log, leaves))
         (want, want_log, _), (got, got_log, _) = runs
-        assert_grads_equal(got, want, what=f"step {step}")
-        _compare_logs(got_log, want_log, f"step {step} log")
+        assert_grads_equal(got, want, what=f"step {step}", **tolerance(backend))
+        _compare_logs(got_log, want_log, f"step {step} log", exact=backend in EXACT_BACKENDS)
     s = ca.stats()
     assert s.eager_fallbacks == 0, s.fallback_reasons
     assert s.captures == captures, s
@@ -125,8 +127,7 @@ def test_retain_grad_with_hooks_on_the_same_tensor():
     observe(build)
     # the last two builds: eager then compiled
     (he, ye), (hc, yc) = seen[len(seen) - 2], seen[len(seen) - 1]
-    torch.testing.assert_close(hc.grad, he.grad)
-    torch.testing.assert_close(yc.grad, ye.grad)
+    assert_grads_equal([hc.grad, yc.grad], [he.grad, ye.grad], exact=True)
 
 
 def test_post_accumulate_grad_hook_runs_an_optimizer_step():
@@ -181,8 +182,7 @@ def test_optimizer_step_in_backward_with_a_compiler(backend):
 
     want = train(False)
     got = train(True)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w)
+    assert_grads_equal(got, want, exact=backend in EXACT_BACKENDS)
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 2, 0), s
 
@@ -275,8 +275,7 @@ def test_ddp_reducer_cpp_hooks_run_in_the_graph():
             ddp.zero_grad()
             with ca.enable("aot_eager", fullgraph=True):
                 ddp(x).pow(2).sum().backward()  # a skipped reducer hook fails the next step
-            for p, q in zip(base.parameters(), ref.parameters()):
-                torch.testing.assert_close(p.grad, q.grad)
+            assert_grads_equal([p.grad for p in base.parameters()], [q.grad for q in ref.parameters()], what=f"step {step}", exact=True)
         s = ca.stats()
         assert (s.captures, s.hits, s.eager_fallbacks) == (1, 2, 0)
     finally:
@@ -346,7 +345,7 @@ def test_a_tensor_hook_giving_a_blocked_gradient_raises_eagers_error():
             loss.backward()
         return [t.grad for t in leaves]
 
-    assert_grads_equal(run(True, 0), run(False, 0))
+    assert_grads_equal(run(True, 0), run(False, 0), exact=True)
     with pytest.raises(RuntimeError, match="can't replace a None gradient with a non-None value"):
         run(False, 1)
     with pytest.raises(RuntimeError, match="can't replace a None gradient with a non-None value"):
@@ -483,8 +482,7 @@ def test_hook_that_modifies_a_shared_gradient_in_place_raises(backend):
         return [x.grad, y.grad]
 
     for step in range(2):
-        for got, want in zip(run(True, step, False), run(False, step, False)):
-            torch.testing.assert_close(got, want)
+        assert_grads_equal(run(True, step, False), run(False, step, False), what=f"step {step}", exact=backend in EXACT_BACKENDS)
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
     with pytest.raises(RuntimeError, match="modified a gradient in place"):
@@ -522,9 +520,11 @@ def test_hooks_that_return_their_grad_unchanged_cost_no_copy(backend):
     for step in range(2):
         copies, got, got_seen = run(True, step)
         eager_copies, want, want_seen = run(False, step)
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w)
-        torch.testing.assert_close(got_seen, want_seen, rtol=1e-5, atol=1e-5)
+        assert_grads_equal(got, want, what=f"step {step}", exact=backend in EXACT_BACKENDS)
+        if backend in EXACT_BACKENDS:
+            assert got_seen == want_seen, (got_seen, want_seen)
+        else:
+            torch.testing.assert_close(got_seen, want_seen, rtol=1e-5, atol=1e-5)
         if step == 1:
             assert copies <= eager_copies, (copies, eager_copies)
     s = ca.stats()
@@ -582,7 +582,7 @@ def test_grad_with_inputs_runs_the_inputs_tensor_hooks_as_eager(kind):
 
     for step in range(2):
         got, want = run(True, step), run(False, step)
-        assert_grads_equal(got, want, what=f"step {step}")
+        assert_grads_equal(got, want, what=f"step {step}", exact=True)
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
 
@@ -616,8 +616,8 @@ def test_multi_grad_hook_all_mode_fires_as_eager(filtered):
     for step in range(2):
         (got, got_log), (want, want_log) = run(True, step), run(False, step)
         assert len(want_log) == 1
-        assert_grads_equal(got, want, what=f"step {step}")
-        _compare_logs(got_log, want_log, f"step {step} log")
+        assert_grads_equal(got, want, what=f"step {step}", exact=True)
+        _compare_logs(got_log, want_log, f"step {step} log", exact=True)
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
 
@@ -653,7 +653,7 @@ def test_hook_registered_during_the_backward_on_a_node_without_hooks_raises(kind
 
     for step in range(2):
         if kind == "leaf_hook":
-            assert_grads_equal(run(True, step), run(False, step), what=f"step {step}")
+            assert_grads_equal(run(True, step), run(False, step), what=f"step {step}", exact=True)
         else:
             with pytest.raises(RuntimeError, match="has not reached"):
                 run(True, step)
@@ -681,7 +681,7 @@ def test_hook_that_modifies_the_users_root_grad_in_place_as_eager(backend):
         return [x.grad, g0]
 
     for step in range(2):
-        assert_grads_equal(run(True, step), run(False, step), what=f"step {step}")
+        assert_grads_equal(run(True, step), run(False, step), what=f"step {step}", exact=backend in EXACT_BACKENDS)
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
 
@@ -802,8 +802,7 @@ def test_the_root_runs_its_tensor_hooks_when_it_leads_to_no_input(root):
             runs.append((log, y.grad if root == "non-leaf" else None, x.grad, z.grad))
         (want_log, want_y, want_x, want_z), (log, y_grad, x_grad, z_grad) = runs
         assert [n for n, _ in log] == [n for n, _ in want_log] == ["hook"]
-        torch.testing.assert_close(log[0][1], want_log[0][1])
-        torch.testing.assert_close(y_grad, want_y)
+        assert_grads_equal([log[0][1], y_grad], [want_log[0][1], want_y], what=f"step {step}", exact=True)
         assert x_grad is None and want_x is None and z_grad is None and want_z is None
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
@@ -859,7 +858,7 @@ def test_a_tensor_kept_on_ctx_and_saved_elsewhere_keeps_its_version_check(saver)
             loss.backward()
         return [x.grad, z.grad]
 
-    assert_grads_equal(run(True, 0), run(False, 0), what="step 0")
+    assert_grads_equal(run(True, 0), run(False, 0), what="step 0", exact=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         run(False, 1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -947,7 +946,7 @@ def test_a_hook_that_rebinds_a_ctx_attribute_raises():
             (m * 2).sum().backward()
         return [x.grad]
 
-    assert_grads_equal(run(True, 0), run(False, 0), what="step 0")
+    assert_grads_equal(run(True, 0), run(False, 0), what="step 0", exact=True)
     run(False, 1)
     with pytest.raises(RuntimeError, match=r"a hook set ctx.W \(which the backward of _KeepsWOnCtxBackward reads\) before that node ran"):
         run(True, 1)
@@ -1065,7 +1064,7 @@ def test_a_hook_that_changes_a_saved_tensor_before_its_node_gets_eagers_error(ba
             k.sum().backward()
         return [x.grad, w.grad]
 
-    assert_grads_equal(run(True, 0), run(False, 0), what="step 0")
+    assert_grads_equal(run(True, 0), run(False, 0), what="step 0", exact=backend in EXACT_BACKENDS)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         run(False, 1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -1168,7 +1167,7 @@ def test_a_leaf_hooks_grad_is_stolen_or_copied_as_eager(backend):
         sharing = (w0.grad.data_ptr() == made["w0"], w1.grad.data_ptr() == kept["w1"].data_ptr())
         before = w1.grad.clone()
         kept["w1"].add_(1)  # the hook's tensor, changed after the backward: not `.grad`
-        torch.testing.assert_close(w1.grad, before)
+        assert torch.equal(w1.grad, before)
         return sharing, [p.grad for p in model.parameters()]
 
     for step in range(2):
@@ -1176,7 +1175,7 @@ def test_a_leaf_hooks_grad_is_stolen_or_copied_as_eager(backend):
         want_sharing, want = run(False, step)
         assert want_sharing == (True, False)
         assert got_sharing == want_sharing, (got_sharing, want_sharing)
-        assert_grads_equal(got, want, what=f"step {step}")
+        assert_grads_equal(got, want, what=f"step {step}", exact=backend in EXACT_BACKENDS)
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
     assert _slot_kinds().count(ca.ops.HOOKED_ACCUMULATE) == 3
@@ -1254,8 +1253,11 @@ def test_leaf_calls_run_in_the_helper_and_check_what_python_checks(backend):
     with _python_calls() as python_calls:
         for step in range(2):
             (got, got_seen), (want, want_seen) = run(True, step), run(False, step)
-            assert_grads_equal(got, want, what=f"step {step}")
-            assert got_seen == pytest.approx(want_seen, rel=1e-5, abs=1e-6)
+            assert_grads_equal(got, want, what=f"step {step}", exact=backend in EXACT_BACKENDS)
+            if backend in EXACT_BACKENDS:
+                assert got_seen == want_seen, (got_seen, want_seen)
+            else:
+                assert got_seen == pytest.approx(want_seen, rel=1e-5, abs=1e-6)
     assert python_calls == [], python_calls  # the capture traced them; the hit ran them natively
     for compiled in (False, True):
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -1290,11 +1292,13 @@ def test_hook_and_node_calls_run_in_the_helper(backend):
         return k.pow(2).sum(), [x, *lin.parameters()]
 
     with _python_calls() as python_calls:
-        observe(build, backend=backend, background=False, opaque=("MulBackward0",), n_opaque=1)
+        # the first backward learns the opaque node's output layouts in eager (NOTE [Layouts
+        # of call outputs]); then a capture and a hit
+        observe(build, backend=backend, background=False, opaque=("MulBackward0",), n_opaque=1, steps=3, learning=1)
     assert python_calls == [], python_calls
     assert {ca.ops.TENSOR_PRE_HOOKS, ca.ops.NODE} <= set(_slot_kinds()), _slot_kinds()
     # what `keep` returned and kept: the compiled graph read it and wrote nothing into it
-    torch.testing.assert_close(kept[-1], kept[-2])
+    assert_grads_equal([kept[-1]], [kept[-2]], exact=backend in EXACT_BACKENDS)
 
 
 def test_hooked_backwards_in_two_threads_each_use_their_own_replay():
@@ -1327,7 +1331,7 @@ def test_hooked_backwards_in_two_threads_each_use_their_own_replay():
             for step in range(20):
                 torch.manual_seed(seed * 100 + step)
                 x = torch.randn(4, 8)
-                assert_grads_equal(grads(model, x, True), grads(model, x, False), what=f"thread {seed} step {step}")
+                assert_grads_equal(grads(model, x, True), grads(model, x, False), what=f"thread {seed} step {step}", exact=True)
         except BaseException as e:  # reported below
             errors.append(e)
 

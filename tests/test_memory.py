@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import compiled_autograd as ca
-from helpers import assert_grads_equal, grads_of
+from helpers import EXACT_BACKENDS, assert_grads_equal, grads_of, tolerance
 
 
 def _model():
@@ -57,7 +57,7 @@ def test_saved_tensors_are_freed_inside_the_graph(backend):
     for p in params:
         p.grad = None
     model(x).pow(2).mean().backward()
-    assert_grads_equal(got, grads_of(params), rtol=1e-4, atol=1e-5)
+    assert_grads_equal(got, grads_of(params), **tolerance(backend))
     assert ca.stats().hits == 1
     assert seen["activations"] >= 12
     # alive: the input x, which the test holds, and the root grad, held by torch.autograd.backward
@@ -83,9 +83,9 @@ def test_retain_graph_keeps_saved_tensors_for_the_next_backward():
         loss = model(x).pow(2).mean()
         with ca.enable("aot_eager", background=False, fullgraph=True):
             loss.backward(retain_graph=True)
-            assert_grads_equal(grads_of(params), want, rtol=1e-4, atol=1e-5)
+            assert_grads_equal(grads_of(params), want, exact=True)
             loss.backward()  # the same graph again: its saved tensors must still be there
-        assert_grads_equal(grads_of(params), [2 * g for g in want], rtol=1e-4, atol=1e-5)
+        assert_grads_equal(grads_of(params), [2 * g for g in want], exact=True)  # (g + g is 2 * g)
         with pytest.raises(RuntimeError, match="second time"):
             with ca.enable("aot_eager", background=False):
                 loss.backward()
@@ -144,17 +144,19 @@ def test_checkpointing_saves_memory_as_in_eager(backend, model, shape):
             loss.backward()
 
     peaks = {}
-    for i in range(3):  # capture, then two hits with new inputs
+    for i in range(3):  # learn (in eager), capture, then a hit, each with new inputs
         x = torch.randn(*shape, requires_grad=True)
         for compiled in (False, True):
             peaks[compiled] = tensor_peak_mb(lambda: step(x, compiled))
             grads = grads_of(params + [x])
             x.grad = None
             if compiled:
-                assert_grads_equal(grads, want, rtol=1e-4, atol=1e-5, what=f"step {i}")
+                assert_grads_equal(grads, want, **tolerance(backend), what=f"step {i}")
             want = grads
     s = ca.stats()
-    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 2, 0)
+    # the first backward learns the layouts of the recomputed tensors in eager (NOTE [Layouts
+    # of call outputs]), the second captures, the third hits
+    assert (s.learning_backwards, s.captures, s.hits, s.eager_fallbacks) == (1, 1, 1, 0)
     # the last hit: the peak of a training step, forward and backward
     assert peaks[True] <= 1.1 * peaks[False], peaks
 
@@ -203,7 +205,7 @@ def test_hooks_on_leaves_do_not_keep_the_activations_alive(module_hooks, accumul
             peaks[compiled] = tensor_peak_mb(lambda: step(x, compiled))
             grads = grads_of(params)
             if compiled:
-                assert_grads_equal(grads, want, rtol=1e-4, atol=1e-5, what=f"step {i}")
+                assert_grads_equal(grads, want, exact=True, what=f"step {i}")
                 assert seen == want_seen
             want, want_seen = grads, list(seen)
     s = ca.stats()
@@ -252,8 +254,10 @@ def _training_step_peaks(model, loss_of, backend, seen=None, learning=0) -> dict
             peaks[compiled] = _tensor_peak_mb(step)
             grads = grads_of(params)
             if compiled:
-                assert_grads_equal(grads, want, rtol=1e-4, atol=1e-5, what=f"step {i}")
-                if seen is not None:
+                assert_grads_equal(grads, want, **tolerance(backend), what=f"step {i}")
+                if seen is not None and backend in EXACT_BACKENDS:
+                    assert seen == want_seen, (seen, want_seen)
+                elif seen is not None:
                     torch.testing.assert_close(seen, want_seen)
             want, want_seen = grads, list(seen or ())
     s = ca.stats()

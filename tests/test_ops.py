@@ -116,7 +116,17 @@ OPS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(OPS))
+# the backends that run eager's kernels in eager's order are bitwise eager's; where a traced
+# formula is not, the op is marked (and reported)
+NOT_BITWISE = {
+    "prod": "ProdBackward1: eager takes grad * result / input when the input has no zero; the trace "
+    "cannot branch on the data and always runs the zero-safe cumprod formula (~1e-7 off)",
+}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=NOT_BITWISE[n])) if n in NOT_BITWISE else n for n in sorted(OPS)]
+)
 def test_op_parity(name):
     shapes, fn = OPS[name]
     leaves = [leaf(*s) for s in shapes]
@@ -129,11 +139,11 @@ def test_op_parity(name):
                 t.copy_(b + step * 0.37 + torch.randn_like(b) * 0.1)
         return ()
 
-    parity(lambda: fn(*leaves), leaves, make_inputs, backend="eager", rtol=1e-5, atol=1e-5)
+    parity(lambda: fn(*leaves), leaves, make_inputs, backend="eager")
 
 
 @pytest.mark.parametrize("name", ["cat", "index_put", "softmax", "sdpa", "conv1d_stride", "split_unused"])
 def test_op_parity_aot_eager(name):
     shapes, fn = OPS[name]
     leaves = [leaf(*s) for s in shapes]
-    parity(lambda: fn(*leaves), leaves, lambda s: (), backend="aot_eager", rtol=1e-5, atol=1e-5)
+    parity(lambda: fn(*leaves), leaves, lambda s: (), backend="aot_eager")

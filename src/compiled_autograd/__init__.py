@@ -8,7 +8,7 @@
 from .api import backward, disable, enable, grad, reset, stats
 from .explain import dump, explain, graphs
 from .logs import configure_logging
-from .runtime import CompiledAutogradError, synchronize
+from .runtime import BackendOutputError, CompiledAutogradError, synchronize
 
 configure_logging()
 
@@ -24,4 +24,5 @@ __all__ = [
     "stats",
     "synchronize",
     "CompiledAutogradError",
+    "BackendOutputError",
 ]

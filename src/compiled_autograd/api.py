@@ -13,6 +13,7 @@ engine otherwise.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from typing import Any, Sequence
 
@@ -80,6 +81,40 @@ def _install() -> None:
 _install()
 
 
+# NOTE [Each use of a scope is its own]
+# One enable()/disable() object may be in use several times at once: entered
+# again while inside it, on a recursive decorated function, or in two threads
+# (a decorated function, or one object shared by `with` in both). So nothing
+# about a use is kept on the object (a ContextVar token kept there is reset
+# twice, or in another thread's context): each entry pushes (object, the config
+# it was entered from) on a stack that is itself a context variable, so each
+# thread (and asyncio task) has its own, and an exit pops this object's
+# innermost entry in its own context and restores that config.
+_scopes: contextvars.ContextVar[tuple] = contextvars.ContextVar("compiled_autograd_scopes", default=())
+
+
+def _enter_scope(owner, cfg: Config | None) -> None:
+    _scopes.set(_scopes.get() + ((owner, _config._active.get()),))
+    _config._active.set(cfg)
+
+
+def _exit_scope(owner) -> None:
+    stack = _scopes.get()
+    i = len(stack) - 1
+    while i >= 0 and stack[i][0] is not owner:
+        i -= 1
+    if i < 0:
+        raise RuntimeError(
+            f"compiled_autograd: leaving a {type(owner).__name__}() scope that was not entered in this thread or task"
+        )
+    previous = stack[i][1]
+    if i == len(stack) - 1:
+        _scopes.set(stack[:i])
+        _config._active.set(previous)
+    else:  # left before a scope entered inside it: that one restores what this one found
+        _scopes.set(stack[:i] + ((stack[i + 1][0], previous),) + stack[i + 2 :])
+
+
 class enable(contextlib.ContextDecorator):
     """Compile every backward run inside this scope.
 
@@ -113,15 +148,14 @@ class enable(contextlib.ContextDecorator):
             options=options or (),
             **({} if disk_cache is None else {"disk_cache": disk_cache}),
         )
-        self._tokens: list = []
 
     def __enter__(self):
         _install()
-        self._tokens.append(_config._active.set(self.config))
+        _enter_scope(self, self.config)
         return self
 
     def __exit__(self, *exc):
-        _config._active.reset(self._tokens.pop())
+        _exit_scope(self)
         return False
 
 
@@ -129,11 +163,11 @@ class disable(contextlib.ContextDecorator):
     """Run backwards in eager autograd inside this scope, even within `enable()`."""
 
     def __enter__(self):
-        self._token = _config._active.set(None)
+        _enter_scope(self, None)
         return self
 
     def __exit__(self, *exc):
-        _config._active.reset(self._token)
+        _exit_scope(self)
         return False
 
 

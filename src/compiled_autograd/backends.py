@@ -168,7 +168,7 @@ def may_steal(backend: BackendLike) -> bool:
 
 def _register_inductor_lowering() -> None:
     """Inductor's lowering of compiled_autograd::call: the generic fallback kernel, and,
-    for a call that hands its grad over (sizes == ops.HANDED_OVER), that grad's buffer is
+    for a call that hands its grad over (flags & ops.HANDS_OVER), that grad's buffer is
     never reused: inductor would otherwise write the next same-sized result into it
     (`buf3 = buf1; del buf1  # reuse`) while it is the parameter's `.grad`."""
     import torch.utils._pytree as pytree
@@ -181,9 +181,9 @@ def _register_inductor_lowering() -> None:
         return
 
     @register_lowering(op, type_promotion_kind=None)
-    def _call(slot, args, sizes, ranks, dtypes, devices, flags):
+    def _call(slot, args, meta, flags):
         start = len(V.graph.operations)
-        out = ir.FallbackKernel.create(op, slot, args, sizes, ranks, dtypes, devices, flags)
+        out = ir.FallbackKernel.create(op, slot, args, meta, flags)
         # NOTE [Calls run in eager's order]: hooks and opaque nodes must run in the traced
         # order, whatever data flows between them. The call is ORDERED-effectful, and
         # inductor's with_effects lowering adds a dependency of each effectful op on the
@@ -217,7 +217,7 @@ def _register_inductor_lowering() -> None:
                             _never_reuse(inp.get_name())
                 elif isinstance(operation, ir.MultiOutput):
                     _never_reuse(operation.get_name())
-        if list(sizes) == list(ops.HANDED_OVER) and not ranks:
+        if flags & ops.HANDS_OVER:
             # the grad is the first argument (the others only order the call: NOTE
             # [Hooks may change what the graph reads] in trace.py)
             for operation in V.graph.operations[start:]:

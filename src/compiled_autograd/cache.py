@@ -73,6 +73,12 @@ class CompiledBackward:
     # in-graph AccumulateGrad may steal a fresh grad from this backend's code (NOTE
     # [Stealing a fresh grad] in ops.py)
     steals: bool = False
+    # NOTE [A compiled graph's outputs are checked on its first run] (validate.py): what the
+    # traced graph returns (validate.Expected, or None: not checked), and whether this
+    # entry's fn has run once and passed (not copied by dataclasses.replace: a background
+    # compile's entry is checked again)
+    expected: Any = field(default=None, compare=False, repr=False)
+    checked: bool = field(default=False, init=False, compare=False, repr=False)
 
     def __call__(self, args: list):
         """Run the graph. A boxed callable (backends.BOXED) takes the list
@@ -115,6 +121,11 @@ class Family:
             self.static[old.sizes] = new
         self.dynamic = [new if e is old else e for e in self.dynamic]
 
+    def remove(self, entry: CompiledBackward) -> None:
+        if self.static.get(entry.sizes) is entry:
+            del self.static[entry.sizes]
+        self.dynamic = [e for e in self.dynamic if e is not entry]
+
     def __len__(self) -> int:
         return len(self.static) + len(self.dynamic)
 
@@ -154,6 +165,15 @@ class Cache:
             fam = self._families.get(key)
             if fam is not None:
                 fam.replace(old, new)
+
+    def discard(self, key: Hashable, entry: CompiledBackward) -> None:
+        """Drop an entry (if it is still cached), and its family once empty."""
+        with self._lock:
+            fam = self._families.get(key)
+            if fam is not None:
+                fam.remove(entry)
+                if not len(fam):
+                    del self._families[key]
 
     def items(self) -> list[tuple[Hashable, Family]]:
         with self._lock:

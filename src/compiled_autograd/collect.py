@@ -3,9 +3,12 @@
 The native collector (native/_C.cpp) walks the graph and keys every built-in
 node. This module adds what only Python can see:
   * custom autograd.Function nodes: the Function class, needs_input_grad, the
-    materialize flags, every non-tensor ctx attribute by value, tensors saved
+    materialize flags, every non-tensor ctx attribute by value (but sizes kept
+    on ctx go to the sizes vector: NOTE [Sizes kept on ctx]), tensors saved
     with save_for_backward or stored on ctx (lifted). A ctx attribute we cannot
-    key by value makes that node opaque (it runs as is, inside the graph).
+    key by value makes that node opaque (it runs as is, inside the graph), and
+    an opaque node keys none of its state (NOTE [Opaque nodes keep their state
+    out of the key]).
   * saved tensors that carry saved_tensors_hooks: unpacked inside the graph,
     at the node that uses them, when what the hook will return is known
     beforehand (NOTE [Unpacking in the graph]) or was learned from an eager
@@ -65,18 +68,22 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import math
+import sys
 import threading
 import types
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+from .values import NodeKind, NodeRow
 
 from . import aot
 from .graph_task import in_graph_task
 
-PYNODE_KIND = 2
+PYNODE_KIND = NodeKind.PYNODE
 
 
 class Unkeyable(Exception):
@@ -88,13 +95,16 @@ class Unkeyable(Exception):
 class PyNodeInfo:
     flags: tuple  # (materialize_grads, materialize_non_diff_grads, boxed_grads_call, is_variable_input)
     saved: tuple  # lifted index of each saved tensor
-    attrs: tuple  # (name, structure): ctx attributes holding tensors, with lifted indices
+    # (name, value): ctx attributes holding tensors, or sizes (then `_SIZE` in their places:
+    # NOTE [Sizes kept on ctx])
+    attrs: tuple
     opaque_reason: str | None = None
     symints: tuple | None = None  # an inlined AOTAutograd backward's ctx.symints (NOTE [Inlining AOTAutograd backwards])
     # (id of the globals dict or closure cell, name, lifted index): the tensors its backward reads from
     # globals and closures (NOTE [Tensors a backward reads from globals and closures])
     read: tuple = ()
-    aot_start: int = 0  # where its ints sit among the Collected's `aot` sizes
+    aot_start: int = 0  # where its ints (`symints` or `ctx_ints`) sit among the Collected's `aot` sizes
+    ctx_ints: tuple = ()  # the sizes kept on its ctx, in `attrs` order (NOTE [Sizes kept on ctx])
 
 
 @dataclass
@@ -113,15 +123,17 @@ class Collected:
     unpacked: tuple  # per hooked saved tensor: its lifted index (unpacked up front), or -1 when unpacked in the graph
     pynodes: dict = field(default_factory=dict)
     hooks: list = field(default_factory=list)  # (unpack_hook, packed, learned key or None) per hooked saved tensor
-    in_graph: tuple = ()  # (hooked tensor id, dtype, device, dim) of those unpacked in the graph
+    in_graph: tuple = ()  # an InGraph per saved tensor unpacked in the graph
     grad_on_ctx: bool = False  # a leaf's .grad, accumulated into by this backward, is kept on ctx
 
-    n_aot: int = 0  # ints saved by torch.compile'd regions for their inlined backwards, in `sizes` before those shapes
+    # ints saved by torch.compile'd regions for their inlined backwards, and sizes kept on custom
+    # Functions' ctx (NOTE [Sizes kept on ctx]), in `sizes` before those shapes
+    n_aot: int = 0
 
     @property
     def in_graph_start(self) -> int:
         """Where the shapes of the tensors unpacked in the graph start in `sizes` (they end it)."""
-        return len(self.sizes) - sum(dim for _, _, _, dim in self.in_graph)
+        return len(self.sizes) - sum(u.dim for u in self.in_graph)
 
     @property
     def aot_start(self) -> int:
@@ -132,6 +144,21 @@ class Collected:
     def up_front(self) -> list:
         """The lifted index of every tensor unpacked when the backward started."""
         return [i for i in self.unpacked if i >= 0]
+
+    @functools.cached_property
+    def nodes(self) -> tuple:
+        """A NodeRow per node, in the engine's order."""
+        return NodeRow.rows(self.capture)
+
+
+class InGraph(NamedTuple):
+    """A saved tensor unpacked inside the graph, at its node (NOTE [Unpacking in the graph])."""
+
+    hid: int  # its position among the saved tensors with hooks
+    dtype: torch.dtype
+    device: torch.device
+    dim: int  # its shape is in the sizes vector (Collected.in_graph_start on)
+    order: tuple  # its dims from outermost to innermost in memory (ops.OutputMeta.dense)
 
 
 class Learn:
@@ -198,6 +225,17 @@ class _Lifter:
             self.lifted.append(t)
         return i
 
+    def mark(self) -> tuple:
+        return len(self.lifted), len(self.extra_keys), len(self.geometry)
+
+    def rollback(self, mark: tuple) -> None:
+        """Forget what was lifted since `mark` (a node that turned out to run opaquely: what it
+        holds is not the graph's business, NOTE [Opaque nodes keep their state out of the key])."""
+        n, k, g = mark
+        for t in self.lifted[n:]:
+            del self.index[id(t)]
+        del self.lifted[n:], self.extra_keys[k:], self.geometry[g:]
+
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
             torch.layout, torch.memory_format, enum.Enum)
@@ -223,6 +261,10 @@ def _value_key(v, lift: _Lifter, user: bool = True):
     state a backward reads])."""
     if isinstance(v, torch.Tensor):
         return ("T", lift(v))
+    if v is _SIZE:  # NOTE [Sizes kept on ctx]: its value is in the sizes vector
+        return ("Z",)
+    if type(v) is _SizeTemplate:
+        return ("S", tuple(_value_key(x, lift, user) for x in v.items))
     if isinstance(v, _SCALARS):
         return _exact(v)
     if isinstance(v, torch.Size):
@@ -574,6 +616,250 @@ def _values_only(key):
     return key
 
 
+# NOTE [Sizes kept on ctx]
+# A custom Function often keeps a size on ctx (`ctx.shape = x.shape`, `ctx.n = x.size(0)`) and
+# its backward computes with it (`g * ctx.shape[0]`, `g.expand(ctx.shape)`). Keyed by value, as
+# any ctx constant, every new size was a new key: a capture per size, where a built-in node's
+# saved sizes are size inputs that the dynamic-shape policy makes symbolic after the first
+# change. So the ints on ctx (alone, or in tuples, lists, dicts and torch.Size) that equal a
+# size or the numel of one of the node's tensors (its saved tensors and those on ctx, its
+# forward outputs, the inputs it sends grads to) when it is collected, 0 and 1 aside (always
+# specialized), are taken out of the key (a ("Z",) there) and put in the sizes vector, among
+# the `aot` ints (`PyNodeInfo.ctx_ints`, in `attrs` order); `attrs` holds the attribute with
+# `_SIZE` where each was, and the trace puts each back (`fill_sizes`): the int itself in a
+# static graph, its SymInt in a dynamic one (the trace swaps the attribute as it swaps ctx
+# tensors for fakes). Whether an int is taken depends on this collect's values only: one that
+# equals a size by chance in one step and not in the next just has another key.
+#
+# What keeps this from giving a wrong gradient: a symbolic trace keeps the graph right for ints
+# that flow into tensor ops and sizes (computed from the graph's inputs at every run) and for
+# ints the backward turns into Python values (`if ctx.n > 3`, `range(ctx.n)`, `float(ctx.n)`, an
+# int argument such as a `dim`): each reads the SymInt's value through a guard, checked before
+# every hit, whose failure is a miss and a new capture (specialized, after a few, as any size).
+# A backward that cannot run on a SymInt at all (it hashes it, hands it to a numpy ufunc)
+# becomes an opaque node of that dynamic graph (it runs as is, on the real values). But Python
+# code can also tell a SymInt from an int with no guard at all, and then take another branch in
+# the trace than eager takes, silently: `isinstance(ctx.k, int)`, `type(ctx.k)`, `str(ctx.k)`
+# and f-strings (which read the trace's value: measured, a wrong gradient on the next hit). So
+# ints are taken only when the backward's code, and the user functions it reaches (through
+# globals, closure cells, class attributes, functions kept on ctx: what `_code_reads_state`
+# follows), does none of that: no isinstance/issubclass/type/str/repr/format/id/hash/vars/dir,
+# no f-string or %-formatting, no `__class__`, no class pattern (`_tells_symints_apart`);
+# otherwise they stay constants of the key, as before. Torch's own Python code (a wrapper such
+# as once_differentiable's) is trusted: it runs under symbolic tracing as make_fx, AOTAutograd
+# and export run it. Left open: an `is` between two ints (small ints are one object in eager,
+# two SymInts never are), and code reached only through an object's attribute other than a
+# class attribute (a user module's function: that is state, the node runs opaquely anyway).
+#
+# Why only ints that are sizes, not every int: a flag or a mode kept as an int is not a size
+# the backward computes with; as a constant of the key it is never symbolic, and one that
+# changes every step (a step count) stays counted by NOTE [Functions whose values change every
+# step] instead of making a graph per guard failure.
+class _SizeTemplate:
+    """A torch.Size on ctx with the sizes taken out of it (`_SIZE` in their places)."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: tuple):
+        self.items = items
+
+
+class _SizeMark:
+    def __repr__(self) -> str:
+        return "<size kept on ctx>"
+
+
+_SIZE = _SizeMark()
+
+
+def _has_int(v) -> bool:
+    if type(v) is int:
+        return v >= 2
+    if type(v) in (tuple, list, torch.Size):
+        return any(_has_int(x) for x in v)
+    if type(v) is dict:
+        return any(_has_int(x) for x in v.values())
+    return False
+
+
+def _node_sizes(capture, idx: int, node, saved) -> set:
+    """The sizes (and numels) of a custom Function node's tensors, 0 and 1 aside."""
+    shapes = [t.shape for t in saved if t is not None]
+    shapes += [t.shape for v in vars(node).values() for t in _tensors(v)]
+    shapes += [m[0] for m in capture.input_metadata(idx) if m is not None]
+    for fn, nr in node.next_functions:
+        if fn is not None:
+            try:
+                shapes.append(fn._input_metadata[nr].shape)
+            except (AttributeError, IndexError, RuntimeError):
+                pass
+    out = set()
+    for shape in shapes:
+        out.update(shape)
+        out.add(math.prod(shape))
+    return {v for v in out if v >= 2}
+
+
+def _take_sizes(v, sizes: set, out: list):
+    """`v` with its ints that are in `sizes` replaced by `_SIZE` (their values appended to
+    `out`); `v` itself when it holds none."""
+    if type(v) is int:
+        if v in sizes:
+            out.append(v)
+            return _SIZE
+        return v
+    if type(v) is torch.Size:
+        items = tuple(_take_sizes(x, sizes, out) for x in v)
+        return _SizeTemplate(items) if any(x is _SIZE for x in items) else v
+    if type(v) in (tuple, list):
+        items = [_take_sizes(x, sizes, out) for x in v]
+        return type(v)(items) if any(a is not b for a, b in zip(items, v)) else v
+    if type(v) is dict:
+        items = {k: _take_sizes(x, sizes, out) for k, x in v.items()}
+        return items if any(items[k] is not x for k, x in v.items()) else v
+    return v
+
+
+def fill_sizes(v, ints):
+    """A ctx attribute from `attrs` with its sizes put back, from the iterator `ints` (ints,
+    or SymInts in a dynamic trace) (NOTE [Sizes kept on ctx])."""
+    if v is _SIZE:
+        return next(ints)
+    if type(v) is _SizeTemplate:
+        return torch.Size([fill_sizes(x, ints) for x in v.items])
+    if type(v) in (tuple, list):
+        items = [fill_sizes(x, ints) for x in v]
+        return type(v)(items) if any(a is not b for a, b in zip(items, v)) else v
+    if type(v) is dict:
+        items = {k: fill_sizes(x, ints) for k, x in v.items()}
+        return items if any(items[k] is not x for k, x in v.items()) else v
+    return v
+
+
+# NOTE [Opaque nodes keep their state out of the key]
+# A node that runs opaquely runs its own backward, as is, with the values it holds when it
+# runs: the graph bakes in none of its Python state (its ctx values, the identity of a closure
+# it keeps), only its outputs' metadata (the native key holds it). So its key is its class and
+# the reason it is opaque, nothing it holds: no ctx value is keyed, no tensor of it lifted
+# (what was lifted before the reason was found is forgotten, `_Lifter.rollback`). Reentrant
+# checkpointing (torch.utils.checkpoint.CheckpointFunction, Hugging Face's gradient
+# checkpointing with use_reentrant=True) is known opaque by its class, before its ctx is read:
+# its backward recomputes the region and runs a backward inside (compiled on its own), which no
+# trace can inline; keyed, its `run_function` (a new lambda or functools.partial each step)
+# made every step a capture.
+REENTRANT_CHECKPOINT = "reentrant checkpoint: runs eagerly inside the graph"
+
+
+def _is_reentrant_checkpoint(cls) -> bool:
+    ckpt = sys.modules.get("torch.utils.checkpoint")  # (not imported: no such node exists)
+    return ckpt is not None and cls is getattr(ckpt, "CheckpointFunction", None)
+
+
+_TELLS_APART_NAMES = frozenset({"isinstance", "issubclass", "type", "str", "repr", "ascii", "format", "id", "hash",
+                                "vars", "dir"})
+_TELLS_APART_ATTRS = frozenset({"format", "format_map", "__class__", "__str__", "__repr__", "__format__", "__hash__",
+                                "__dict__"})
+_TELLS_APART_OPS = frozenset({"FORMAT_VALUE", "FORMAT_SIMPLE", "FORMAT_WITH_SPEC", "CONVERT_VALUE", "BUILD_STRING",
+                              "MATCH_CLASS"})
+_TELLS_APART: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fn -> `_tells_symints_apart`
+
+
+def _tells_symints_apart(fn, depth: int = 0, seen: set | None = None) -> str | None:
+    """What in `fn`'s code, or in a user function it reaches, may tell a SymInt from an int
+    without a guard (NOTE [Sizes kept on ctx]); None when nothing does."""
+    if depth == 0:
+        cached = _TELLS_APART.get(fn, _MISSING)
+        if cached is not _MISSING:
+            return cached
+    seen = set() if seen is None else seen
+    if fn in seen:
+        return None
+    seen.add(fn)
+    if depth > 3:
+        return f"{fn.__qualname__} (calls nested too deep to read)"
+    import dis
+    import inspect
+
+    trusted = _pure_module(getattr(fn, "__module__", "") or "")  # (its user callees are still read)
+    code = fn.__code__
+    cells = dict(zip(code.co_freevars, (c.cell_contents if _cell_full(c) else None for c in fn.__closure__ or ())))
+    why, codes = None, [code]
+    try:
+        while codes and why is None:
+            c = codes.pop()
+            percent = any(isinstance(k, str) and "%" in k for k in c.co_consts)
+            instructions = list(dis.get_instructions(c))
+            for i, ins in enumerate(instructions):
+                op, name = ins.opname, ins.argval
+                if not trusted:
+                    if op in _TELLS_APART_OPS:
+                        why = f"{fn.__qualname__}: {op}"
+                    elif op in ("LOAD_GLOBAL", "LOAD_NAME") and name in _TELLS_APART_NAMES and name not in fn.__globals__:
+                        why = f"{fn.__qualname__}: {name}()"
+                    elif op in ("LOAD_ATTR", "LOAD_METHOD") and name in _TELLS_APART_ATTRS:
+                        why = f"{fn.__qualname__}: .{name}"
+                    elif op in ("BINARY_OP", "BINARY_MODULO", "INPLACE_MODULO") and percent and "%" in (ins.argrepr or "%"):
+                        why = f"{fn.__qualname__}: % formatting"
+                    if why is not None:
+                        break
+                if op not in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF"):
+                    continue
+                if op in ("LOAD_DEREF", "LOAD_CLASSDEREF"):
+                    if name not in cells:
+                        continue
+                    v = cells[name]
+                elif name in fn.__globals__:
+                    v = fn.__globals__[name]
+                else:
+                    continue  # a builtin (or a NameError eager raises too)
+                if isinstance(v, type) and not _pure_module(getattr(v, "__module__", "") or ""):
+                    # a user class's function attribute (`MyFunction.helper(ctx.n)`)
+                    nxt = instructions[i + 1] if i + 1 < len(instructions) else None
+                    if nxt is None or nxt.opname not in ("LOAD_ATTR", "LOAD_METHOD"):
+                        continue
+                    try:
+                        v = inspect.getattr_static(v, nxt.argval)
+                    except AttributeError:
+                        continue
+                if isinstance(v, (staticmethod, classmethod)):
+                    v = v.__func__
+                if isinstance(v, types.FunctionType) and not _pure_module(getattr(v, "__module__", "") or ""):
+                    why = _tells_symints_apart(v, depth + 1, seen)
+                    if why is not None:
+                        break
+            codes.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    except Exception as e:  # another Python's bytecode
+        why = f"code that could not be read ({type(e).__name__})"
+    if depth == 0:
+        _TELLS_APART[fn] = why
+    return why
+
+
+def _sizes_may_be_symbolic(cls, values) -> bool:
+    """Whether a custom Function's backward cannot tell its ctx ints from SymInts without a
+    guard (NOTE [Sizes kept on ctx]): its code and the user functions it reaches, and the
+    functions it keeps on ctx (it may call them with its ints)."""
+    fn = user_backward(cls)
+    if not isinstance(fn, types.FunctionType) or _tells_symints_apart(fn) is not None:
+        return False
+    for v in values:
+        for x in _leaves(v):
+            if isinstance(x, types.FunctionType):
+                if _tells_symints_apart(x) is not None:
+                    return False
+            elif callable(x) and not isinstance(x, torch.Tensor):
+                return False
+    return True
+
+
+def _leaves(v) -> list:
+    if isinstance(v, (tuple, list)):
+        return [y for x in v for y in _leaves(x)]
+    if isinstance(v, dict):
+        return [y for x in v.values() for y in _leaves(x)]
+    return [v]
+
+
 def _collect_pynode(capture, idx: int, lift: _Lifter, keep_graph: bool) -> tuple[tuple, PyNodeInfo]:
     node = capture.node_object(idx)
     m, mnd, boxed, is_var = capture.pynode_flags(idx)
@@ -600,6 +886,9 @@ def _collect_pynode(capture, idx: int, lift: _Lifter, keep_graph: bool) -> tuple
     # what their unpack hooks returned serves the rest of this backward: the node may yet run
     # its own backward (opaque), or eager its own (a fallback)
     capture.hand_over_saved(idx, list(saved), keep_graph)
+    if _is_reentrant_checkpoint(cls):  # NOTE [Opaque nodes keep their state out of the key]
+        info.opaque_reason = REENTRANT_CHECKPOINT
+        return ("py", cls, "opaque", REENTRANT_CHECKPOINT), info
     user = not _pure_module(getattr(cls, "__module__", "") or "")
     churned = CHURN.opaque.get(cls)
     if churned is not None:
@@ -613,19 +902,30 @@ def _collect_pynode(capture, idx: int, lift: _Lifter, keep_graph: bool) -> tuple
         else:
             info.opaque_reason = f"its backward reads {why}, which a trace would freeze"
         return ("py", cls, "opaque", info.opaque_reason), info
+    mark = lift.mark()
     try:
         info.saved = tuple(lift(t) if t is not None else -1 for t in saved)
         info.read = tuple((id(where), name, lift(t)) for where, name, t in read)
         attrs = []
         attr_keys = []
-        for name, value in sorted(vars(node).items()):
-            attr_keys.append((name, _value_key(value, lift, user)))
-            if _tensors(value):
-                attrs.append((name, value))
+        ints: list = []  # NOTE [Sizes kept on ctx]
+        items = sorted(vars(node).items())
+        sizes = ()
+        if any(_has_int(v) for _, v in items) and _sizes_may_be_symbolic(cls, [v for _, v in items]):
+            sizes = _node_sizes(capture, idx, node, saved)
+        for name, value in items:
+            kept = _take_sizes(value, sizes, ints) if sizes else value
+            attr_keys.append((name, _value_key(kept, lift, user)))
+            if kept is not value or _tensors(value):
+                attrs.append((name, kept))
         info.attrs = tuple(attrs)
     except Unkeyable as e:
+        # NOTE [Opaque nodes keep their state out of the key]
+        lift.rollback(mark)
+        info.saved, info.read = (), ()
         info.opaque_reason = str(e)
         return ("py", cls, "opaque", info.opaque_reason), info
+    info.ctx_ints = tuple(ints)
     key = ("py", cls, flags, tuple(node.needs_input_grad), info.saved, tuple(attr_keys), state + tuple(("T", i) for _, _, i in info.read))
     return key, info
 
@@ -664,10 +964,18 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
     metas, learn, native_key = [], {}, None
     for i, (hook, packed) in enumerate(saved_hooks):
         meta, learned = predict(hook, packed), None
-        if meta is None:
+        if meta is None or meta[3] is None:
             if native_key is None:  # (a digest: the table must not hold every graph's key)
                 native_key = (hashlib.blake2b(capture.key(), digest_size=16).digest(), tuple(capture.sizes()))
             learned = (native_key, i, _hook_code(hook), _packed_meta(packed))
+        if meta is not None and meta[3] is None:
+            # a checkpoint's recomputed tensor: its layout is learned (NOTE [Layouts of call
+            # outputs], ops.py), from an eager backward when no backward showed it yet
+            order = LEARNED.order(learned)
+            if order is None and not LEARNED.is_unpredictable(learned):
+                learn[i] = learned
+            meta, learned = (*meta[:3], order or tuple(range(len(meta[0])))), None
+        elif meta is None:
             meta = LEARNED.get(learned)
             if meta is None and not LEARNED.is_unpredictable(learned):
                 meta = LEARNED.by_rule(learned)
@@ -687,9 +995,9 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
             unpacked.append(lift(t))
             hooks.append(None)
             continue
-        shape, dtype, device = meta
+        shape, dtype, device, order = meta
         unpacked.append(-1)
-        in_graph.append((i, dtype, device, len(shape)))
+        in_graph.append(InGraph(i, dtype, device, len(shape), order))
         shapes.extend(shape)
         hooks.append((hook, packed, learned))
     pykeys = []
@@ -705,6 +1013,9 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
         if info.symints is not None:
             info.aot_start = len(aot_ints)
             aot_ints += [s for s in info.symints if type(s) is int]
+        elif info.ctx_ints:  # NOTE [Sizes kept on ctx]
+            info.aot_start = len(aot_ints)
+            aot_ints += info.ctx_ints
     sizes = tuple(capture.sizes()) + tuple(lift.geometry) + tuple(aot_ints) + tuple(shapes)
     return Collected(
         capture=capture,
@@ -795,7 +1106,8 @@ class _Predictor:
             if code is self._cpu_unpack:
                 device, t = packed
                 if isinstance(device, torch.device) and type(t) is torch.Tensor and t.layout == torch.strided:
-                    return tuple(t.shape), t.dtype, device
+                    # (it packed a contiguous copy, and unpacks that, moved)
+                    return tuple(t.shape), t.dtype, device, tuple(range(t.dim()))
         except (KeyError, AttributeError, TypeError, ValueError):  # another torch's internals
             return None
         return None
@@ -814,7 +1126,7 @@ class _Predictor:
         meta = frame.x_metadatas[i]
         if not isinstance(meta, dict) or not isinstance(meta.get("device"), torch.device):
             return None
-        return tuple(meta["shape"]), meta["dtype"], meta["device"]
+        return tuple(meta["shape"]), meta["dtype"], meta["device"], None  # (its layout is learned)
 
 
 def _packed_meta(packed):
@@ -869,6 +1181,7 @@ class _Learned:
         # the size-free rules (NOTE above): rule key -> (packed tensor position, dtype, device,
         # the (sizes, packed shapes) it held at: it predicts once there are two; None: it failed)
         self.rules: dict = {}
+        self.orders: dict = {}  # rule key -> the dim order of what the hook returned last
         self.lock = threading.Lock()
 
     def get(self, key):
@@ -890,7 +1203,7 @@ class _Learned:
         shapes = _packed_shapes(key[3])
         if k >= len(shapes):
             return None
-        meta = (shapes[k], dtype, device)
+        meta = (shapes[k], dtype, device, self.orders.get(self._rule_key(key)) or tuple(range(len(shapes[k]))))
         with self.lock:  # these sizes' next backward finds it directly (checked at replay as any)
             if len(self.metas) >= self.LIMIT:
                 self.metas.pop(next(iter(self.metas)))
@@ -901,13 +1214,24 @@ class _Learned:
         """Remember what the hook returned; None if it cannot be predicted."""
         if key in self.unpredictable or type(t) is not torch.Tensor or t.layout != torch.strided:
             return None
-        meta = (tuple(t.shape), t.dtype, t.device)
+        from .ops import dense_order
+
+        order = dense_order(t) or tuple(range(t.dim()))  # (not dense: copied into this at replay)
+        meta = (tuple(t.shape), t.dtype, t.device, order)
         with self.lock:
             if len(self.metas) >= self.LIMIT:
                 self.metas.pop(next(iter(self.metas)))
             self.metas[key] = meta
-            self._learn_rule(key, meta)
+            self._learn_rule(key, meta[:3])
+            rk = self._rule_key(key)
+            if len(self.orders) >= self.LIMIT and rk not in self.orders:
+                self.orders.pop(next(iter(self.orders)))
+            self.orders[rk] = order
         return meta
+
+    def order(self, key):
+        """The layout a hook at this graph's position returned last (at any sizes), or None."""
+        return self.orders.get(self._rule_key(key))
 
     def _learn_rule(self, key, meta) -> None:
         shape, dtype, device = meta
@@ -960,6 +1284,7 @@ class _Learned:
             self.metas.clear()
             self.unpredictable.clear()
             self.rules.clear()
+            self.orders.clear()
 
 
 LEARNED = _Learned()

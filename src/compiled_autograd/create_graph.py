@@ -256,6 +256,15 @@ class DifferentiableGraph(torch.autograd.Function):
     def forward(ctx, entry, extra, *inputs):
         n = entry.plan.num_results
         res = list(entry(list(inputs) + list(extra)))
+        if not entry.checked and entry.expected is not None:
+            # NOTE [A compiled graph's outputs are checked on its first run] (validate.py): here,
+            # where the graph's outputs include what its vjp reads (a static graph: no sizes)
+            from .runtime import backend_output_error
+            from .validate import mismatches
+
+            problems = mismatches(entry.expected, res, ())
+            if problems:
+                raise backend_output_error(entry, problems)
         outs, saved = res[:n], res[n:]
         ctx.graph = entry.graph if entry.vjp is None else entry.vjp.rerun
         ctx.vjp = entry.vjp

@@ -15,7 +15,24 @@ The directory is the user's (mode 0700) and every file carries an HMAC keyed
 by a secret that only this user can read (mode 0600), written on first use.
 A file that fails verification, was written by another torch or library
 version, or does not unpickle is ignored: the graph is traced as usual. So
-what the cache loads, it has written itself.
+what the cache loads, it has written itself. A directory that is not this
+user's, or that group or others can write, is not used at all (one warning);
+nor is a secret that is a symlink, not this user's, or readable by others.
+Every file is made with O_CREAT|O_EXCL|O_NOFOLLOW (a graph at a temp name with
+a random part, then renamed into place), so nothing planted at a name we are
+about to write is followed or overwritten.
+
+NOTE [The disk cache never fails a backward]
+The cache is an optimization: a directory that cannot be made (a file, or a path
+under one), an unusable secret or any OSError on a load or store is logged, the
+directory is warned about once per process, and the graph is traced and compiled
+as usual -- no eager fallback, no error under fullgraph=True.
+
+NOTE [Disk cache size]
+The *.graph files of one directory are bounded by MAX_BYTES_ENV (bytes; the
+default DEFAULT_MAX_BYTES, 1 GiB), read after each store by `_evict`: over it, the
+least recently used files (oldest mtime; a load touches its file's mtime) are
+deleted until the total is within it.
 
 NOTE [Graphs stored as their nodes]
 A GraphModule pickles as its Python code, and unpickles by tracing that code
@@ -31,13 +48,18 @@ graph is the traced one (`tests/test_diskcache.py` compares their code).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import io
 import logging
 import os
 import pickle
+import re
 import secrets
+import stat
+import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -49,30 +71,119 @@ log = logging.getLogger("compiled_autograd")
 FORMAT = 2
 
 
-def _root() -> Path:
+# NOTE [Disk cache size]: the one place the budget is defined
+MAX_BYTES_ENV = "COMPILED_AUTOGRAD_GRAPH_DIR_MAX_BYTES"
+DEFAULT_MAX_BYTES = 1 << 30
+STALE_TMP_SECONDS = 3600  # a temp file this old is a crashed store's: removed by `_evict`
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_warned_dirs: set[str] = set()
+_GRAPH_NAME = re.compile(r"[0-9a-f]{40}\.graph")  # only what we write is counted and evicted
+_TMP_NAME = re.compile(r"[0-9a-f]{40}\.tmp\d+-[0-9a-f]+")
+
+
+def _warn_once(path: Path, why: str) -> None:
+    if str(path) not in _warned_dirs:
+        _warned_dirs.add(str(path))
+        warnings.warn(f"compiled_autograd: not using the disk cache at {path}: {why}; "
+                      "backward graphs are traced as usual", stacklevel=2)
+
+
+def _root() -> Path | None:
+    """The graph directory, or None (warned once) where it cannot be used
+    (NOTE [Private cache], NOTE [The disk cache never fails a backward])."""
     override = os.environ.get("COMPILED_AUTOGRAD_GRAPH_DIR")
     root = Path(override) if override else native.cache_root() / "graphs"
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
     try:
-        os.chmod(root, 0o700)
-    except OSError:  # pragma: no cover
-        pass
+        try:
+            root.mkdir(parents=True, mode=0o700)
+        except FileExistsError:
+            pass  # not ours to chmod: checked below
+        else:
+            os.chmod(root, 0o700)
+        st = os.stat(root)
+    except OSError as e:
+        _warn_once(root, f"{type(e).__name__}: {e}")
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        _warn_once(root, "not a directory")
+        return None
+    if st.st_uid != os.geteuid():
+        _warn_once(root, f"owned by uid {st.st_uid}, not by this user")
+        return None
+    if st.st_mode & 0o022:
+        _warn_once(root, f"group or others can write it (mode {stat.S_IMODE(st.st_mode):o})")
+        return None
     return root
 
 
-def _secret() -> bytes:
-    path = native.cache_root() / "secret"
+def _tmp_suffix() -> str:
+    return secrets.token_hex(8)
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """Write path as a whole: a new temp file next to it (never one that exists, never
+    through a symlink), then renamed over path."""
+    tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}-{_tmp_suffix()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600)
     try:
-        data = path.read_bytes()
-        if len(data) >= 32:
-            return data
-    except FileNotFoundError:
-        pass
-    data = secrets.token_bytes(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    return data
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _read_private(path: Path) -> bytes:
+    """path's bytes, if it is this user's regular file that no one else can read or
+    write (never through a symlink); else PermissionError. FileNotFoundError if none."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW | _CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise PermissionError(f"{path} is a symlink") from e
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise PermissionError(f"{path} is not a file that only this user can read")
+        return f.read()
+
+
+def _secret() -> bytes | None:
+    """The HMAC key (NOTE [Private cache]), made on first use; None (warned once)
+    where it cannot be used."""
+    root = native.cache_root()
+    path = root / "secret"
+    try:
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for _ in range(50):
+            try:
+                data = _read_private(path)
+            except FileNotFoundError:
+                data = secrets.token_bytes(32)
+                try:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600)
+                except FileExistsError:
+                    continue  # another process made it meanwhile: read theirs
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                return data
+            if len(data) >= 32:
+                return data
+            time.sleep(0.01)  # another process is writing it
+        # a writer that died before writing it all: a new one, whole
+        data = secrets.token_bytes(32)
+        _write_new(path, data)
+        return data
+    except PermissionError as e:
+        _warn_once(path, str(e))
+        return None
 
 
 def _version() -> bytes:
@@ -103,13 +214,62 @@ def portable_key(key, sizes) -> bytes | None:
     return h.digest()
 
 
-def _path(pkey: bytes) -> Path:
-    return _root() / (pkey.hex()[:40] + ".graph")
+def _path(pkey: bytes) -> Path | None:
+    root = _root()
+    return None if root is None else root / (pkey.hex()[:40] + ".graph")
+
+
+def max_bytes() -> int:
+    """The disk cache's budget (NOTE [Disk cache size])."""
+    value = os.environ.get(MAX_BYTES_ENV)
+    if not value:
+        return DEFAULT_MAX_BYTES
+    try:
+        return int(value)
+    except ValueError:
+        log.warning("ignoring %s=%r: not a number of bytes", MAX_BYTES_ENV, value)
+        return DEFAULT_MAX_BYTES
+
+
+def _evict(root: Path) -> None:
+    """Delete the least recently used graphs until the directory is within budget
+    (NOTE [Disk cache size]), and temp files a crashed store left."""
+    budget = max_bytes()
+    files, total, now = [], 0, time.time()
+    with os.scandir(root) as it:
+        for e in it:
+            try:
+                if not e.is_file(follow_symlinks=False):
+                    continue
+                st = e.stat(follow_symlinks=False)
+                if _GRAPH_NAME.fullmatch(e.name):
+                    files.append((st.st_mtime_ns, e.name, st.st_size))
+                    total += st.st_size
+                elif _TMP_NAME.fullmatch(e.name) and now - st.st_mtime > STALE_TMP_SECONDS:
+                    os.unlink(e.path)
+            except OSError:  # another process removed it
+                continue
+    if total <= budget:
+        return
+    for _, name, size in sorted(files):
+        try:
+            os.unlink(root / name)
+        except FileNotFoundError:
+            pass
+        total -= size
+        if total <= budget:
+            break
 
 
 def store(pkey: bytes, entry) -> None:
     """Write a captured static graph (its FX module, plan and description)."""
     try:
+        path = _path(pkey)
+        if path is None:
+            return
+        secret = _secret()
+        if secret is None:
+            return
         payload = io.BytesIO()
         record = dict(
             key=pkey,
@@ -122,25 +282,36 @@ def store(pkey: bytes, entry) -> None:
         )
         pickle.dump(record, payload, protocol=pickle.HIGHEST_PROTOCOL)
         data = payload.getvalue()
-        mac = hmac.new(_secret(), data, hashlib.sha256).digest()
-        path = _path(pkey)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(mac + data)
-        os.replace(tmp, path)
-    except Exception:  # the cache is an optimization: never fail a backward for it
+        mac = hmac.new(secret, data, hashlib.sha256).digest()
+        _write_new(path, mac + data)
+        _evict(path.parent)
+    except Exception:  # NOTE [The disk cache never fails a backward]
         log.debug("could not store a graph on disk", exc_info=True)
 
 
 def load(pkey: bytes) -> dict | None:
-    path = _path(pkey)
     try:
-        raw = path.read_bytes()
+        return _load(pkey)
+    except Exception:  # NOTE [The disk cache never fails a backward]
+        log.debug("could not load a graph from disk", exc_info=True)
+        return None
+
+
+def _load(pkey: bytes) -> dict | None:
+    path = _path(pkey)
+    if path is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW | _CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read()
     except OSError:
         return None
+    secret = _secret()
+    if secret is None:
+        return None
     mac, data = raw[:32], raw[32:]
-    if not hmac.compare_digest(mac, hmac.new(_secret(), data, hashlib.sha256).digest()):
+    if not hmac.compare_digest(mac, hmac.new(secret, data, hashlib.sha256).digest()):
         log.warning("ignoring %s: not written by this user's compiled_autograd", path)
         return None
     try:
@@ -157,6 +328,10 @@ def load(pkey: bytes) -> dict | None:
     except Exception:
         log.debug("could not rebuild the graph of %s", path, exc_info=True)
         return None
+    try:
+        os.utime(path)  # used now: the last to go (NOTE [Disk cache size])
+    except OSError:
+        pass
     return record
 
 

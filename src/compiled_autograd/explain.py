@@ -11,6 +11,7 @@ import time
 from .cache import CACHE
 from .runtime import capture_log
 from .stats import LOCK, STATS
+from .values import NodeKind
 
 
 def explain() -> str:
@@ -100,29 +101,28 @@ def _describe_entry(e) -> str:
 
 
 def _label(n, i):
-    name, kind, hooks, opaque, _ = n
+    """`n`: a NodeSummary."""
     marks = []
-    if opaque:
-        marks.append(f"opaque: {opaque[:40]}")
+    if n.opaque_reason:
+        marks.append(f"opaque: {n.opaque_reason[:40]}")
     names = ("tensor hooks", "retain_grad", "pre hooks", "post hooks", "post-acc hooks")
-    marks += [m for m, c in zip(names, hooks) if c]
-    return f"#{i} {name}" + (f" [{'; '.join(marks)}]" if marks else "")
+    marks += [m for m, c in zip(names, n.hooks) if c]
+    return f"#{i} {n.name}" + (f" [{'; '.join(marks)}]" if marks else "")
 
 
 def _color(n):
-    name, kind, hooks, opaque, _ = n
-    if opaque:
+    if n.opaque_reason:
         return "#f4b183"
-    if any(hooks):
+    if any(n.hooks):
         return "#ffe699"
-    return {1: "#c5e0b4", 2: "#bdd7ee"}.get(kind, "#ffffff")
+    return {NodeKind.ACCUMULATE: "#c5e0b4", NodeKind.PYNODE: "#bdd7ee"}.get(n.kind, "#ffffff")
 
 
 def _dot(e) -> str:
     out = ["digraph backward {", "  rankdir=TB; node [shape=box, style=filled, fontname=monospace];"]
     for i, n in enumerate(e.nodes):
         out.append(f'  n{i} [label="{_label(n, i)}", fillcolor="{_color(n)}"];')
-        for to, nr in n[4]:
+        for to, nr in n.edges:
             if to >= 0:
                 out.append(f"  n{i} -> n{to} [label={nr}];")
     out.append("}")
@@ -143,7 +143,7 @@ def _svg(e) -> str:
     for i, n in enumerate(e.nodes):
         out.append(f'<rect x="10" y="{y(i)}" width="{w}" height="{h}" fill="{_color(n)}" stroke="#555"/>')
         out.append(f'<text x="16" y="{y(i) + 15}">{escape(_label(n, i))}</text>')
-        for to, nr in n[4]:
+        for to, nr in n.edges:
             if to > i:
                 x0 = w + 10
                 bend = x0 + 12 + min(220, 6 * (to - i))

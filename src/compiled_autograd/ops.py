@@ -12,9 +12,34 @@ run on real tensors in the middle of the compiled graph. Each such point is one
     needs no side table and every backend (aot_eager, inductor) can trace it.
   * the operator is registered as an ORDERED effect: no backend may reorder or
     drop it, so hooks observe what they would observe in eager.
-Outputs are contiguous and owned by the graph (NOTE [Outputs the graph owns]); a
-real output whose metadata differs from what the graph was traced with raises
-instead of being misread by compiled code.
+Outputs are owned by the graph (NOTE [Outputs the graph owns]) and in the layout it
+was traced with (NOTE [Layouts of call outputs]); a real output whose shape, dtype
+or device differs from what the graph was traced with raises instead of being
+misread by compiled code.
+
+NOTE [Layouts of call outputs]
+The trace decides each call output's strides before anything runs (make_fx turns
+a formula's `reshape` into a `view` on the strides it sees), so what a hook, an
+opaque node or an unpack hook returns in another layout must be copied into the
+traced one. The values are the same, but a kernel after it may sum in another
+order than eager's on the tensor eager passed on (a bias grad `g.sum(0)` of a
+transposed grad: 1e-6 off), so with eager's kernels the result is no longer
+bitwise eager's. So each output is traced in the layout it will most likely have,
+always dense (a permutation of a contiguous tensor: a copy into it is exact):
+  * a hook's result: its grad's layout (as `empty_like` lays it out); a hook that
+    returns its grad, or computes on it elementwise, keeps it;
+  * an unpack hook's: `save_on_cpu` unpacks its contiguous copy; what a checkpoint
+    recomputes, or another hook returns, is learned from an eager backward of the
+    graph, as its shape is (NOTE [Unpack metadata learned from the last backward],
+    collect.py), and kept per graph position for other sizes;
+  * an opaque node's: contiguous.
+At replay, an output in another layout is copied into the traced one
+(`stats().layout_copies`), and the dense layout it had is remembered for its
+graph and call (runtime.LAYOUTS): that graph is dropped and the next backward
+captures again in those layouts, after which it is bitwise eager's again (a few
+times per graph at most: a hook whose layout changes every step keeps its graph
+and its copies). So the one backward in which a hook first returns another
+layout than its grad's may differ from eager in the last bits, counted.
 
 NOTE [Outputs the graph owns]
 A compiler may treat an operator's outputs as its own buffers: inductor reuses
@@ -39,7 +64,7 @@ import functools
 import sys
 import threading
 import warnings
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -63,12 +88,31 @@ def _device(code: int) -> torch.device:
     kind, index = divmod(code, 1024)
     return torch.device(_DEVICE_TYPES[kind]) if index == 0 else torch.device(_DEVICE_TYPES[kind], index - 1)
 
-# the sizes argument of an ACCUMULATE call whose grad AccumulateGrad may take as `.grad`
-# (NOTE [Stealing a fresh grad]); an ACCUMULATE call has no outputs, so no sizes otherwise.
-# The second number versions inductor's lowering of such a call (backends.py): it is part
-# of the graph, hence of inductor's cache key, so change it whenever that lowering changes
-# and no cached code compiled by another lowering can be served for the graph.
-HANDED_OVER = (-1, 2)
+
+
+class CallArgs(NamedTuple):
+    """The arguments of one `compiled_autograd::call` (NOTE [Opaque calls]), by name.
+
+    args:  the tensors the call runs on; then, in this order, what the trace appended:
+           with `Slot.in_flags`, which of them are defined (a bool tensor); `Slot.n_after`
+           values only there to order the call; `Slot.n_watch` saved tensors it checks;
+           `flags >> PASSES_SHIFT` graph inputs it returns as its last outputs
+    meta:  its outputs as traced (`encode_meta` of OutputMetas)
+    flags: the bits below"""
+
+    slot: int
+    args: list
+    meta: list
+    flags: int
+
+    @staticmethod
+    def of(node) -> "CallArgs":
+        return CallArgs(*node.args)
+
+    @property
+    def n_outputs(self) -> int:
+        return len(decode_meta(self.meta))
+
 
 # the bits of a call's `flags` argument (they are in the graph's code, so a change of what
 # our inductor lowering does with a bit is a new bit: no compiled artifact from before matches)
@@ -80,6 +124,9 @@ FREED_NOT_REUSED = 16
 # set on every call: inductor's code calls it directly, not through the dispatcher
 # (backends._register_inductor_lowering); code compiled before calls the op
 DIRECT = 32
+# an ACCUMULATE call whose grad AccumulateGrad may take as `.grad` (NOTE [Stealing a fresh
+# grad]): inductor's lowering keeps its buffer from reuse (backends.py)
+HANDS_OVER = 64
 # flags >> PASSES_SHIFT: how many of its last arguments the call also returns, as its last
 # outputs (graph inputs read after it: NOTE [Hooks may change what the graph reads], trace.py)
 PASSES_SHIFT = 8
@@ -102,7 +149,7 @@ class _Replay(threading.local):
     def __init__(self):
         self.stack: list = []  # (capture, slots, autograd keys excluded, hooks, steal, keep) of the backwards running on this thread
         self.tasks: list = []  # the graph task id each of them runs its calls in
-        self.nodes: list = []  # the node of the last call each of them ran
+        self.last: list = []  # the slot of the last call each of them ran (None: none yet)
 
 
 _replay = _Replay()
@@ -133,7 +180,7 @@ def _set_exclude_set(want, current) -> list:
 class replaying:
     """Context of one compiled graph run: where its slots resolve."""
 
-    def __init__(self, capture, slots, hooks=(), steal=None, keep=False, versions=None, ctx=None, releases=None):
+    def __init__(self, capture, slots, hooks=(), steal=None, keep=False, versions=None, ctx=None, releases=None, observed=None):
         self.task = torch._C._current_graph_task_id()  # in_graph_task's, when calls run
         # hooks: (unpack_hook, packed) per hooked saved tensor, for UNPACK slots;
         # steal: None, or the graph inputs' storages when ACCUMULATE calls may
@@ -146,23 +193,30 @@ class replaying:
         # when the backward started) (Plan.ctx_checks); releases: per slot, the nodes whose
         # saved variables are freed after it (NOTE [Saved tensors freed as eager frees them])
         # (the dispatch keys the backward call excluded: a call runs its hooks with them)
-        self.frame = (capture, slots, torch._C._dispatch_tls_local_exclude_set(), hooks, steal, keep, versions, ctx, releases)
+        # observed: (slot, output) -> the layout a call's output had where it was not the
+        # traced one (NOTE [Layouts of call outputs])
+        self.frame = (capture, slots, torch._C._dispatch_tls_local_exclude_set(), hooks, steal, keep, versions, ctx, releases, observed)
+
+        self.failed_at = None  # the slot of the last call started, when the graph raised
 
     def __enter__(self):
-        _replay.nodes.append(None)
+        _replay.last.append(None)
         try:
-            _native().push_replay(self.frame, _replay.nodes)
+            _native().push_replay(self.frame, _replay.last)
         except BaseException:  # nothing pushed: leave both stacks as they were
-            _replay.nodes.pop()
+            _replay.last.pop()
             raise
         _replay.stack.append(self.frame)
         _replay.tasks.append(self.task)
+        return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         _native().pop_replay()
         _replay.stack.pop()
         _replay.tasks.pop()
-        _replay.nodes.pop()
+        last = _replay.last.pop()
+        if exc_type is not None:
+            self.failed_at = last
 
 
 # NOTE [Engine queries from hooks]
@@ -188,20 +242,17 @@ torch._C._will_engine_execute_node = _will_engine_execute_node
 def _call(
     slot: int,
     args: list[Optional[torch.Tensor]],
-    sizes: list[int],
-    ranks: list[int],
-    dtypes: list[int],
-    devices: list[int],
+    meta: list[int],
     flags: int,
 ) -> list[torch.Tensor]:
     """The op's kernel, as the dispatcher runs it (below autograd)."""
-    return _run_call(slot, args, sizes, ranks, dtypes, devices, flags)
+    return _run_call(slot, args, meta, flags)
 
 
-def _run_call(slot, args, sizes, ranks, dtypes, devices, flags) -> list[torch.Tensor]:
+def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
     """One call of a replayed graph, in the backward call's dispatch state."""
-    capture, slots, outside, hooks, steal, keep, versions, ctx, releases = _replay.stack[-1]
-    kind, node, mask, in_flags, fresh, n_after, shared, n_watch = slots[slot]
+    capture, slots, outside, hooks, steal, keep, versions, ctx, releases, observed = _replay.stack[-1]
+    kind, node, mask, in_flags, fresh, n_after, shared, n_watch, _ = slots[slot]
     passed = ()
     if flags >> PASSES_SHIFT:  # graph inputs read after this call: returned, so read after it
         n = flags >> PASSES_SHIFT
@@ -211,11 +262,12 @@ def _run_call(slot, args, sizes, ranks, dtypes, devices, flags) -> list[torch.Te
         watched, args = args[-n_watch:], args[:-n_watch]
     if n_after:  # only there to order the call (NOTE [Hooks may change what the graph reads])
         args = args[:-n_after]
-    if kind != UNPACK and _replay.nodes[-1] != node:
+    last = _replay.last[-1]
+    _replay.last[-1] = slot
+    if last is None or slots[last].at != slots[slot].at:
         # the engine runs each node in the backward's own thread-local state: a hook that
         # left grad mode changed (`torch.set_grad_enabled(True)` as a statement) changed it
         # for the rest of its node only (an unpack hook there sees it)
-        _replay.nodes[-1] = node
         if torch.is_grad_enabled() != capture.grad_mode:
             torch._C._set_grad_enabled(capture.grad_mode)
     before = [args[i]._version if args[i] is not None else 0 for i in shared]
@@ -235,7 +287,7 @@ def _run_call(slot, args, sizes, ranks, dtypes, devices, flags) -> list[torch.Te
             # a grad a hook keeps (`seen.append(g)`) must not become `.grad` as it is: eager's
             # AccumulateGrad sees the hook's reference and copies (NOTE [Stealing a fresh grad])
             counts = [(a, sys.getrefcount(a)) for a in args if a is not None] if steal is not None and kind != UNPACK else ()
-            outs = _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, flags, hooks, shared if keeps else None)
+            outs = _run_slot(capture, slot, kind, node, mask, args, meta, flags, hooks, shared if keeps else None, observed)
             for a, n in counts:
                 if sys.getrefcount(a) - sum(o is a for o in outs) > n:
                     steal.add(a)
@@ -308,7 +360,7 @@ def _check_versions(tensors, expected) -> None:
             )
 
 
-def _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, flags, hooks, shared=None):
+def _run_slot(capture, slot, kind, node, mask, args, meta, flags, hooks, shared=None, observed=None):
     if kind == UNPACK:
         from .collect import unpack
 
@@ -322,7 +374,8 @@ def _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, fl
         if learned is not None:
             from .collect import LEARNED
 
-            LEARNED.check(learned, outs[0], *next(_unpack_meta(sizes, ranks, dtypes, devices)))
+            expected = decode_meta(meta)[0]
+            LEARNED.check(learned, outs[0], expected.shape, expected.dtype, expected.device)
     elif kind == TENSOR_PRE_HOOKS:
         outs = capture.call_tensor_pre_hooks(node, args)
     elif kind == PRE_HOOKS:
@@ -335,7 +388,7 @@ def _run_slot(capture, kind, node, mask, args, sizes, ranks, dtypes, devices, fl
     else:
         raise AssertionError(f"unknown slot kind {kind}")
     keep = () if shared is None else [a for i, a in enumerate(args) if a is not None and i not in shared]
-    return _conform(kind, capture, node, mask, outs, keep, list(_unpack_meta(sizes, ranks, dtypes, devices)), flags)
+    return _conform(kind, capture, node, mask, outs, keep, decode_meta(meta), flags, slot, observed)
 
 
 def input_storages(args):
@@ -374,7 +427,7 @@ def _accumulate(capture, node, args, steal, hooked=False):
       * nothing in the compiled code writes into it afterwards: the eager
         graph and aot_eager run functional aten ops; inductor reuses a dead
         buffer for a later result (`buf3 = buf1; del buf1  # reuse`), so the
-        call is marked in the graph (its sizes argument is HANDED_OVER) and our
+        call is marked in the graph (its flags have HANDS_OVER) and our
         lowering of it (backends._register_inductor_lowering) puts the grad's
         buffer in inductor's never-reuse set. (Making it a graph output would
         stop the reuse too, but keep every new grad alive to the end of the
@@ -422,7 +475,7 @@ def _fast_path() -> bool:
     return not torch.is_grad_enabled() and torch._C._len_torch_dispatch_stack() == 0
 
 
-def _call_at_autograd(slot, args, sizes, ranks, dtypes, devices, flags):
+def _call_at_autograd(slot, args, meta, flags):
     """The kernel at the Autograd key. A compiled graph calls the op with grad mode off and no
     dispatch mode active: the kernel runs there and then, skipping custom_op's Python
     autograd wrapper and its redispatch below autograd (about 20 us of a call's ~120). The
@@ -430,18 +483,18 @@ def _call_at_autograd(slot, args, sizes, ranks, dtypes, devices, flags):
     otherwise, and while a trace (make_fx's proxy mode, fake tensors, functionalization)
     is active, it goes on below autograd as any op does."""
     if _fast_path():
-        return _run_call(slot, args, sizes, ranks, dtypes, devices, flags)
+        return _run_call(slot, args, meta, flags)
     with torch._C._AutoDispatchBelowAutograd():
-        return _op(slot, args, sizes, ranks, dtypes, devices, flags)
+        return _op(slot, args, meta, flags)
 
 
-def call_direct(slot, args, sizes, ranks, dtypes, devices, flags):
+def call_direct(slot, args, meta, flags):
     """The call without the dispatcher (its boxing of the arguments costs ~10 us), for the
     graphs that run as Python code we generate (the eager backend, aot_eager's graph:
     backends.py): the same kernel, where the dispatcher would run it directly."""
     if _fast_path():
-        return _run_call(slot, args, sizes, ranks, dtypes, devices, flags)
-    return _op(slot, args, sizes, ranks, dtypes, devices, flags)
+        return _run_call(slot, args, meta, flags)
+    return _op(slot, args, meta, flags)
 
 
 with warnings.catch_warnings():
@@ -495,6 +548,8 @@ def _install_calls(mod, run_call=None) -> None:
             "dtypes": _DTYPES,
             "device_types": _DEVICE_TYPES,
             "conform_error": _conform_error,
+            "observed_layout": observed_layout,
+            "conformed": lambda meta, k, t: decode_meta(meta)[k].conformed(t),
             "check_versions": _check_versions,
             "check_ctx": _check_ctx,
             "hooks_added_error": _hooks_added_error,
@@ -526,10 +581,10 @@ _register_aliasing_check_exemption()
 
 
 @call.register_fake
-def _call_fake(slot, args, sizes, ranks, dtypes, devices, flags):
-    outs = [torch.empty(s, dtype=d, device=dev) for s, d, dev in _unpack_meta(sizes, ranks, dtypes, devices)]
+def _call_fake(slot, args, meta, flags):
+    outs = [m.empty() for m in decode_meta(meta)]
     if flags & DEFINEDNESS:
-        outs.append(torch.empty(len(ranks), dtype=torch.bool))
+        outs.append(torch.empty(len(outs), dtype=torch.bool))
     if flags >> PASSES_SHIFT:  # returned as they are: same geometry
         outs += [torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device) for a in args[-(flags >> PASSES_SHIFT) :]]
     return outs
@@ -551,32 +606,118 @@ _register_effect()
 torch.fx.node.has_side_effect(torch.ops.compiled_autograd.call.default)
 
 
-def _unpack_meta(sizes, ranks, dtypes, devices):
-    pos = 0
-    for r, d, dev in zip(ranks, dtypes, devices):
-        yield list(sizes[pos : pos + r]), _DTYPES[d], _device(dev)
-        pos += r
+class OutputMeta(NamedTuple):
+    """One output of a call as the graph was traced with it (NOTE [Layouts of call outputs]):
+    strided and dense, its strides those of `torch.empty_permuted(shape, order)` for some dim
+    order; or sparse COO (strides unused)."""
+
+    shape: Sequence  # ints, or SymInts in a dynamic graph
+    dtype: torch.dtype
+    device: torch.device
+    strides: Sequence
+    layout: torch.layout = torch.strided
+
+    def empty(self) -> torch.Tensor:
+        if self.layout != torch.strided:
+            return torch.empty(self.shape, dtype=self.dtype, device=self.device, layout=self.layout)
+        return torch.empty_strided(self.shape, self.strides, dtype=self.dtype, device=self.device)
+
+    def has_layout(self, t: torch.Tensor) -> bool:
+        """Whether t is laid out as this says (strides where they matter: dims longer than 1)."""
+        if t.layout != self.layout:
+            return False
+        if t.layout != torch.strided or t.numel() == 0:
+            return True
+        return all(n <= 1 or a == b for n, a, b in zip(self.shape, t.stride(), self.strides))
+
+    def conformed(self, t: torch.Tensor) -> torch.Tensor:
+        """t's values in this layout (a copy)."""
+        if self.layout != torch.strided:
+            return t.to_sparse() if t.layout == torch.strided else t.to_dense().to_sparse()
+        if t.layout != torch.strided:
+            t = t.to_dense()
+        return self.empty().copy_(t)
+
+    @staticmethod
+    def dense(shape, dtype, device, order: Sequence | None = None) -> "OutputMeta":
+        """The layout `torch.empty_permuted(shape, order)` has (contiguous: order None)."""
+        order = range(len(shape)) if order is None else order
+        strides, step = [0] * len(shape), 1
+        for d in reversed(tuple(order)):
+            strides[d] = step
+            step = step * shape[d]
+        return OutputMeta(list(shape), dtype, device, strides)
+
+    @staticmethod
+    def like(t: torch.Tensor) -> "OutputMeta":
+        """As `empty_like(t)` lays out its result."""
+        if t.layout == torch.sparse_coo:
+            return OutputMeta(list(t.shape), t.dtype, t.device, [0] * t.dim(), torch.sparse_coo)
+        return OutputMeta.dense(t.shape, t.dtype, t.device, dim_order(t))
 
 
-def pack_meta(tensors: Sequence[torch.Tensor]):
-    sizes, ranks, dtypes, devices = [], [], [], []
-    for t in tensors:
-        sizes.extend(t.shape)
-        ranks.append(t.dim())
-        dtypes.append(_DTYPE_CODE[t.dtype])
-        devices.append(device_code(t.device))
-    return sizes, ranks, dtypes, devices
+def observed_layout(t: torch.Tensor):
+    """How a call output that came in another layout than traced was laid out, for the next
+    capture (NOTE [Layouts of call outputs]): its dim order if dense, "sparse_coo", or None
+    (nothing the trace can predict: it is copied each time)."""
+    if t.layout == torch.sparse_coo:
+        return "sparse_coo"
+    if t.layout != torch.strided:
+        return None
+    return dense_order(t)
 
 
-def _conform(kind, capture, node, mask, outs, keep, metas, flags):
-    """Real outputs -> the defined, contiguous, non-aliasing tensors the graph expects.
+def dim_order(t: torch.Tensor) -> tuple:
+    """The dims of t from outermost to innermost in memory, as `empty_like` lays out its
+    result (guard-free on symbolic sizes); t has that layout iff it is dense."""
+    if t.dim() <= 1:
+        return tuple(range(t.dim()))
+    from torch._prims_common import compute_elementwise_output_logical_to_physical_perm
+
+    perm, _ = compute_elementwise_output_logical_to_physical_perm(t)
+    return tuple(perm)
+
+
+def dense_order(t: torch.Tensor) -> tuple | None:
+    """t's dim order if t is dense in it (a permutation of a contiguous tensor), else None."""
+    order = dim_order(t)
+    return order if OutputMeta.dense(t.shape, t.dtype, t.device, order).has_layout(t) else None
+
+
+_LAYOUTS = [torch.strided, torch.sparse_coo]
+
+
+def encode_meta(metas: Sequence[OutputMeta]) -> list:
+    """The call's `meta` argument: per output, rank, dtype code, device code, layout code,
+    shape, strides (the one encoding: the native helper's `decode_meta` reads the same)."""
+    out: list = []
+    for m in metas:
+        out += [len(m.shape), _DTYPE_CODE[m.dtype], device_code(m.device), _LAYOUTS.index(m.layout), *m.shape, *m.strides]
+    return out
+
+
+def decode_meta(meta: Sequence) -> list[OutputMeta]:
+    out, pos = [], 0
+    while pos < len(meta):
+        rank, dtype, device, layout = (int(v) for v in meta[pos : pos + 4])
+        pos += 4
+        shape, strides = list(meta[pos : pos + rank]), list(meta[pos + rank : pos + 2 * rank])
+        out.append(OutputMeta(shape, _DTYPES[dtype], _device(device), strides, _LAYOUTS[layout]))
+        pos += 2 * rank
+    return out
+
+
+def _conform(kind, capture, node, mask, outs, keep, metas, flags, slot=None, observed=None):
+    """Real outputs -> the defined, non-aliasing tensors, in the traced layouts, the graph expects.
 
     `mask[i]` says whether output i was defined when the graph was traced;
     `metas` describes those outputs, in order. With flags (opaque nodes and
     hooks) a missing grad becomes zeros and a False flag, so the graph knows
     it is undefined. A grad where none was expected: from an opaque node it
     goes nowhere (its edge is not in the graph); a hook that makes a None grad
-    defined cannot be followed (the graph has no place for it) and raises."""
+    defined cannot be followed (the graph has no place for it) and raises.
+    An output in another layout than traced is copied into it, and `observed`
+    records the layout it had (NOTE [Layouts of call outputs])."""
     # `outs` (the list the hook or node returned) is taken over: its entries are
     # cleared as they are read, so that a private tensor has no reference left but ours
     outs.extend([None] * (len(mask) - len(outs)))
@@ -587,22 +728,25 @@ def _conform(kind, capture, node, mask, outs, keep, metas, flags):
         )
     result, present = [], []
     positions = [i for i, m in enumerate(mask) if m]
-    for i, (shape, dtype, device) in zip(positions, metas):
+    for k, (i, m) in enumerate(zip(positions, metas)):
         o, outs[i] = outs[i], None
         if o is None:
             present.append(False)
-            result.append(torch.zeros(shape, dtype=dtype, device=device))
+            result.append(m.empty().zero_())
             continue
         present.append(True)
-        if list(o.shape) != shape or o.dtype != dtype or o.device != device:
+        if list(o.shape) != list(m.shape) or o.dtype != m.dtype or o.device != m.device:
             what = "the unpack hook of a saved tensor" if kind == UNPACK else f"{kind.replace('_', ' ')} of {capture.node_name(node)}"
             raise RuntimeError(
                 f"compiled_autograd: {what} returned a tensor of {tuple(o.shape)}/{o.dtype}/{o.device} "
-                f"where the graph was traced with {tuple(shape)}/{dtype}/{device}"
+                f"where the graph was traced with {tuple(m.shape)}/{m.dtype}/{m.device}"
             )
         # the graph was traced with a plain tensor: no lazy conjugate or negative bit
-        # (`contiguous()` keeps them; a copy below would resolve them)
-        o = o.resolve_conj().resolve_neg().contiguous()
+        o = o.resolve_conj().resolve_neg()
+        if not m.has_layout(o):
+            if observed is not None:
+                observed[(slot, k)] = observed_layout(o)
+            o = m.conformed(o)
         # the references of a private tensor: `o` and getrefcount's argument; or the
         # call's own input, which nothing else in the graph reads (`keep`)
         if (sys.getrefcount(o) > 2 or not _sole_owner(o)) and not any(o is a for a in keep):
@@ -613,9 +757,9 @@ def _conform(kind, capture, node, mask, outs, keep, metas, flags):
     return result
 
 
-def _conform_error(kind, capture, node, mask, outs, sizes, ranks, dtypes, devices, flags):
+def _conform_error(kind, capture, node, mask, outs, meta, flags):
     """_conform's error for outputs the native helper's conform rejected."""
-    _conform(kind, capture, node, mask, outs, (), list(_unpack_meta(sizes, ranks, dtypes, devices)), flags)
+    _conform(kind, capture, node, mask, outs, (), decode_meta(meta), flags)
     raise AssertionError("compiled_autograd: the helper rejected outputs that _conform accepts")
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import os
 import threading
 import time
 import warnings
@@ -29,12 +30,15 @@ from .backends import BOXED, compile_graph, in_background, may_steal, serialize_
 from .cache import CACHE, CompiledBackward, Dynamic
 from .config import Config
 from .stats import LOCK, STATS
+from .values import NodeSummary
+from .values import NodeSummary
 from . import ops
 from .collect import CHURN, CHURN_LIMIT, LEARNED, Learn, Unkeyable, collect, read_state, state_reads
 from .logs import compile_status
 from .graph_task import in_graph_task
-from .trace import NotTwiceDifferentiable, capture_backward, guards_of, tensor_positions
+from .trace import ACCUMULATE_KIND, NotTwiceDifferentiable, capture_backward, guards_of, tensor_positions
 from .create_graph import DifferentiableGraph, split_joint
+from .validate import expected_outputs, mismatches
 
 log = logging.getLogger("compiled_autograd")
 
@@ -48,6 +52,12 @@ class CompiledAutogradError(RuntimeError):
     """Raised under `fullgraph=True` when a backward cannot be compiled."""
 
 
+class BackendOutputError(CompiledAutogradError):
+    """A backend's compiled graph returned outputs that differ from the traced graph's: too
+    few or too many, or one of another shape, dtype, device or layout (NOTE [A compiled
+    graph's outputs are checked on its first run], validate.py)."""
+
+
 class _Fallback(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
@@ -56,6 +66,7 @@ class _Fallback(Exception):
 
 _warned: set[str] = set()
 _capture_log: list[dict] = []
+MAX_CAPTURE_LOG = 256  # the capture log keeps the newest this many entries
 _unsupported: dict[tuple, str] = {}  # key -> why its capture fell back (not traced again)
 _failures: Counter = Counter()  # key -> captures (trace, compile or first run) that raised
 MAX_CAPTURE_FAILURES = 2  # then that key runs eagerly without tracing it again
@@ -70,6 +81,15 @@ def capture_log() -> list[dict]:
     return list(_capture_log)
 
 
+def _log_capture(record: dict) -> dict:
+    """Append record to the capture log, dropping the oldest beyond MAX_CAPTURE_LOG, and
+    return it: a background compile updates its record by reference, not by position."""
+    _capture_log.append(record)
+    if len(_capture_log) > MAX_CAPTURE_LOG:
+        del _capture_log[: len(_capture_log) - MAX_CAPTURE_LOG]
+    return record
+
+
 def reset_runtime() -> None:
     _warned.clear()
     _capture_log.clear()
@@ -77,6 +97,10 @@ def reset_runtime() -> None:
     _failures.clear()
     LEARNED.clear()
     CHURN.clear()
+    LAYOUTS.clear()
+    NODE_LAYOUTS.clear()
+    _relayouts.clear()
+    _layout_reasons.clear()
     with LOCK:
         _deferred.clear()
 
@@ -174,20 +198,20 @@ def _create_graph_unsupported(collected) -> str | None:
     """Why this backward cannot run compiled with create_graph=True (NOTE [create_graph])."""
     if collected.unpacked:
         return "create_graph=True with saved-tensor hooks"
-    for n in collected.capture.nodes():
-        if any(n[7][:4]) or n[7][4]:
+    for n in collected.nodes:
+        if n.hooks.any:
             return "create_graph=True with hooks"
-        if n[3]:
+        if n.opaque:
             return "create_graph=True with an opaque node"
     if any(info.opaque_reason for info in collected.pynodes.values()):
         return "create_graph=True with an opaque node"
     return None
 
 
-def _capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=(), create_graph=False) -> CompiledBackward:
+def _capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=(), create_graph=False, layouts=None) -> CompiledBackward:
     t0 = time.perf_counter()
     try:
-        captured = in_graph_task(lambda: capture_backward(collected, cfg.opaque, mask, history, create_graph))
+        captured = in_graph_task(lambda: capture_backward(collected, cfg.opaque, mask, history, create_graph, layouts))
     except NotTwiceDifferentiable as e:
         raise _Fallback(f"create_graph=True through a node eager cannot differentiate twice ({e})") from e
     if create_graph and captured.plan.slots:
@@ -207,9 +231,11 @@ def _capture_and_compile(cfg: Config, collected, key, mask, reason: str, history
             how = (f"{sum(captured.plan.differentiable)} differentiable results; the graph also returns {n_saved} "
                    f"tensors its vjp graph reads (the second order recomputes nothing)")
     t1 = time.perf_counter()
-    names = tuple(n[0] for n in collected.capture.nodes())
+    names = tuple(n.name for n in collected.nodes)
     is_dynamic = captured.mask is not None and any(captured.mask)
     what = f"compiling a {'dynamic ' if is_dynamic else ''}backward graph of {len(names)} nodes with {cfg.backend_name}"
+    # (read before the backend sees the graph: it may rewrite it)
+    expected = expected_outputs(captured.graph, *((collected, captured.size_inputs) if is_dynamic else ()))
     background = cfg.background_compile and not cfg.fullgraph
     if background:
         fn = captured.graph  # replay the traced graph as is until the compiled one is ready
@@ -217,7 +243,7 @@ def _capture_and_compile(cfg: Config, collected, key, mask, reason: str, history
         with compile_status(what):
             fn = compile_graph(cfg.backend, captured.graph, _example_inputs(captured, collected), dynamic=is_dynamic, patches=cfg.inductor_patches)
     t2 = time.perf_counter()
-    nodes = tuple((n[0], n[1], n[7], _opaque_reason(captured.plan, i), n[5]) for i, n in enumerate(collected.capture.nodes()))
+    nodes = tuple(NodeSummary(n.name, n.kind, n.hooks, _opaque_reason(captured.plan, i), n.edges) for i, n in enumerate(collected.nodes))
     entry = CompiledBackward(
         fn=fn,
         graph=captured.graph,
@@ -235,13 +261,14 @@ def _capture_and_compile(cfg: Config, collected, key, mask, reason: str, history
         node_keys=_node_keys(collected.capture),
         compiled=not background,
         vjp=vjp,
+        expected=expected,
     )
     with LOCK:
         STATS.captures += 1
         STATS.dynamic_captures += is_dynamic
         STATS.trace_seconds += t1 - t0
         STATS.compile_seconds += t2 - t1
-    _capture_log.append(
+    logged = _log_capture(
         dict(reason=reason, nodes=len(names), backend=cfg.backend_label, opaque=[o[1:] for o in captured.plan.opaque],
              trace_seconds=t1 - t0, compile_seconds=t2 - t1, inputs=len(collected.lifted),
              dynamic=_describe_dynamic(collected, entry.dynamic), guards=entry.dynamic.guard_source if entry.dynamic else None,
@@ -250,7 +277,7 @@ def _capture_and_compile(cfg: Config, collected, key, mask, reason: str, history
     log.info("captured %d nodes (%s): trace %.2fs, compile %.2fs", len(names), reason, t1 - t0, t2 - t1)
     if background:
         example = captured.example_inputs if is_dynamic else _static_fakes(collected.lifted)
-        _compile_in_background(cfg, key, entry, example, what, len(_capture_log) - 1, captured)
+        _compile_in_background(cfg, key, entry, example, what, logged, captured)
     return entry
 
 
@@ -259,6 +286,7 @@ def _entry_from_disk(cfg: Config, collected, key, record, reason: str) -> Compil
     no trace; the compile comes from the backend's own caches."""
     t0 = time.perf_counter()
     gm = record["graph"]
+    expected = expected_outputs(gm)  # (no metadata: the number of outputs)
     background = cfg.background_compile and not cfg.fullgraph
     what = f"compiling a stored backward graph of {len(record['node_names'])} nodes with {cfg.backend_name}"
     if background:
@@ -281,17 +309,18 @@ def _entry_from_disk(cfg: Config, collected, key, record, reason: str) -> Compil
         nodes=record["nodes"],
         node_keys=record["node_keys"],
         compiled=not background,
+        expected=expected,
     )
     with LOCK:
         STATS.disk_hits += 1
         STATS.compile_seconds += entry.compile_seconds
-    _capture_log.append(
+    logged = _log_capture(
         dict(reason=entry.reason, nodes=len(entry.node_names), backend=cfg.backend_label, opaque=[o[1:] for o in entry.plan.opaque],
              trace_seconds=0.0, compile_seconds=entry.compile_seconds, inputs=entry.num_inputs, dynamic=[], guards=None,
              background=background, **_unpacked_up_front(collected))
     )
     if background:
-        _compile_in_background(cfg, key, entry, _static_fakes(collected.lifted), what, len(_capture_log) - 1)
+        _compile_in_background(cfg, key, entry, _static_fakes(collected.lifted), what, logged)
     return entry
 
 
@@ -348,6 +377,7 @@ def _dynamic(captured, sizes) -> Dynamic:
 # from the replay's many small ops in 5 ms slices, and the transformer's first
 # backward took 2.4 s instead of 1.4 (its compile waits for a replay of ~0.2 s).
 _pending: set[threading.Thread] = set()
+_compiling: set[int] = set()  # idents of the compile threads inside their compile (cancellable at exit)
 _deferred: dict[int, Callable[[], None]] = {}  # id(entry) -> start its compile, until its first replay ran
 
 
@@ -358,16 +388,23 @@ def _start_compile_of(entry: CompiledBackward, run: bool = True) -> None:
         start()
 
 
-def _compile_in_background(cfg: Config, key, entry: CompiledBackward, example, what: str, log_index: int, captured=None) -> None:
+def _compile_in_background(cfg: Config, key, entry: CompiledBackward, example, what: str, logged: dict, captured=None) -> None:
     # `example`: fake tensors only; the thread must not keep the user's tensors alive
     is_dynamic = entry.dynamic is not None
     graph = entry.graph
 
     def work():
         t0 = time.perf_counter()
+        me = threading.get_ident()
         try:
-            with compile_status(what + " (in the background)"), in_background():
-                fn = compile_graph(cfg.backend, graph, example, dynamic=is_dynamic, patches=cfg.inductor_patches)
+            with LOCK:
+                _compiling.add(me)  # may be cancelled at exit from here (NOTE [Background compiles at exit])
+            try:
+                with compile_status(what + " (in the background)"), in_background():
+                    fn = compile_graph(cfg.backend, graph, example, dynamic=is_dynamic, patches=cfg.inductor_patches)
+            finally:
+                with LOCK:
+                    _compiling.discard(me)
             dynamic = _dynamic(captured, entry.sizes) if is_dynamic else None
             done = dataclasses.replace(
                 entry, fn=fn, dynamic=dynamic, compiled=True, compile_seconds=time.perf_counter() - t0
@@ -375,9 +412,11 @@ def _compile_in_background(cfg: Config, key, entry: CompiledBackward, example, w
             CACHE.replace(key, entry, done)
             with LOCK:
                 STATS.compile_seconds += time.perf_counter() - t0
-            _capture_log[log_index]["compile_seconds"] = time.perf_counter() - t0
+            logged["compile_seconds"] = time.perf_counter() - t0  # its own record: the log may be trimmed
             if dynamic is not None:
-                _capture_log[log_index]["guards"] = dynamic.guard_source
+                logged["guards"] = dynamic.guard_source
+        except CompileCancelled:  # NOTE [Background compiles at exit]
+            log.debug("background compile cancelled by the interpreter's exit")
         except Exception as e:  # the traced graph keeps serving this backward
             with LOCK:
                 STATS.compile_failures += 1
@@ -392,7 +431,9 @@ def _compile_in_background(cfg: Config, key, entry: CompiledBackward, example, w
 
     def start():
         serialize_dynamo_compiles()  # NOTE [One compile at a time] (backends.py)
-        thread = threading.Thread(target=work, name="compiled_autograd compile", daemon=True)
+        _wait_at_exit.register()
+        # (not a daemon: NOTE [Background compiles at exit])
+        thread = threading.Thread(target=work, name="compiled_autograd compile", daemon=False)
         with LOCK:
             STATS.compiles_pending += 1
             _pending.add(thread)
@@ -400,6 +441,88 @@ def _compile_in_background(cfg: Config, key, entry: CompiledBackward, example, w
 
     with LOCK:
         _deferred[id(entry)] = start
+
+
+# NOTE [Background compiles at exit]
+# A compile thread that the interpreter abandons at exit (a daemon thread) is
+# killed where it next takes the GIL: inside C++ code (a torch op, pybind11's
+# GIL release) that unwinds through a noexcept frame, and the process aborts
+# ("terminate called without an active exception", exit status 134). So
+# compile threads are not daemons (the interpreter joins them), and threading's
+# shutdown, before it joins them and before the executors' exit hooks make
+# them refuse work, first runs `_wait_at_exit`: it waits for the pending
+# compiles up to COMPILED_AUTOGRAD_EXIT_WAIT seconds (default 10; "inf": to the
+# end; a finished compile also fills inductor's caches for the next process),
+# then cancels the rest: a CompileCancelled raised in each compile thread,
+# which Python delivers between bytecodes -- never inside C++ code, which
+# finishes the call it is in first -- and repeated until the thread ends.
+EXIT_WAIT_DEFAULT = 10.0
+
+
+class CompileCancelled(BaseException):
+    """Raised in a background compile thread to cancel it at exit (a BaseException: code in
+    the compiler that catches Exception lets it through)."""
+
+
+def _exit_wait() -> float | None:
+    raw = os.environ.get("COMPILED_AUTOGRAD_EXIT_WAIT", "")
+    try:
+        wait = float(raw) if raw.strip() else EXIT_WAIT_DEFAULT
+    except ValueError:
+        log.warning("COMPILED_AUTOGRAD_EXIT_WAIT=%r is not a number of seconds; waiting %gs", raw, EXIT_WAIT_DEFAULT)
+        wait = EXIT_WAIT_DEFAULT
+    if wait != wait or wait == float("inf"):
+        return None
+    return max(0.0, wait)
+
+
+class _WaitAtExit:
+    def __init__(self):
+        self.registered = False
+
+    def register(self) -> None:
+        if self.registered:
+            return
+        # (their exit hooks first, so that ours runs before: threading runs them in reverse)
+        import concurrent.futures.process  # noqa: F401
+        import concurrent.futures.thread  # noqa: F401
+
+        try:
+            threading._register_atexit(self)
+        except (AttributeError, RuntimeError):  # (no such hook; or the shutdown has begun: joined anyway)
+            pass
+        self.registered = True
+
+    def __call__(self) -> None:
+        with LOCK:
+            if not _pending:
+                return
+        wait = _exit_wait()
+        if wait is None or wait > 0:
+            log.info("waiting for %d background compile(s) before exiting", len(_pending))
+            if synchronize(wait):
+                return
+        with LOCK:
+            threads = [t for t in _pending if t.is_alive()]
+        log.info("cancelling %d background compile(s) at exit", len(threads))
+        while threads:
+            with LOCK:  # (only inside the compile: a thread's own bookkeeping is not interrupted)
+                for t in threads:
+                    if t.ident in _compiling:
+                        _cancel(t)
+            for t in threads:
+                t.join(1.0)  # (again while one is still compiling: its code may have caught it)
+            threads = [t for t in threads if t.is_alive()]
+
+
+_wait_at_exit = _WaitAtExit()
+
+
+def _cancel(thread: threading.Thread) -> None:
+    import ctypes
+
+    if thread.ident is not None and thread.is_alive():
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(CompileCancelled))
 
 
 def _exiting() -> bool:
@@ -489,7 +612,7 @@ def _new_key_reason(collected) -> str:
     entries = CACHE.entries()
     if not entries:
         return "first backward"
-    names = tuple(n[0] for n in collected.capture.nodes())
+    names = tuple(n.name for n in collected.nodes)
     same = [e for e in entries if e.node_names == names]
     if not same:
         return "new graph structure (nodes differ from every cached graph)"
@@ -514,8 +637,8 @@ def _describe_dynamic(collected, dynamic) -> list[str]:
     """Human names of the symbolic sizes of a dynamic capture."""
     if dynamic is None:
         return []
-    starts = [(n[10], n[0]) for n in collected.capture.nodes()]
-    in_graph = [f"unpacked#{hid}.shape[{d}]" for hid, _, _, dim in collected.in_graph for d in range(dim)]
+    starts = [(n.size_start, n.name) for n in collected.nodes]
+    in_graph = [f"unpacked#{u.hid}.shape[{d}]" for u in collected.in_graph for d in range(u.dim)]
     out = []
     for i in dynamic.symbolic:
         if i >= collected.in_graph_start:
@@ -538,7 +661,7 @@ def _describe_dynamic(collected, dynamic) -> list[str]:
     return out
 
 
-def _replay(entry: CompiledBackward, capture, lifted, extra, hooks, releases=()):
+def _replay(entry: CompiledBackward, capture, lifted, extra, hooks, releases=(), free_on_failure=False, observed=None):
     if entry.plan.differentiable is not None and any(entry.plan.differentiable):
         with torch.enable_grad():  # the engine's grad mode under create_graph
             return list(DifferentiableGraph.apply(entry, extra, *lifted))
@@ -562,14 +685,141 @@ def _replay(entry: CompiledBackward, capture, lifted, extra, hooks, releases=())
 
     def run():
         after = entry.plan.release_after if releases else None
-        with ops.replaying(capture, entry.plan.slots, hooks, steal, entry.steals, versions, ctx, after), torch.no_grad():
-            return list(entry(args))
+        frame = ops.replaying(capture, entry.plan.slots, hooks, steal, entry.steals, versions, ctx, after, observed)
+        try:
+            with frame, torch.no_grad():
+                return list(entry(args))
+        except BaseException:
+            if free_on_failure:
+                _release_completed(capture, entry.plan, frame.failed_at)
+            raise
 
     if entry.plan.slots:
         # hooks and opaque nodes run inside: give them the engine context they
         # expect (graph task id, queue_callback), as eager does
         return in_graph_task(run)
     return run()
+
+
+LAYOUTS: dict = {}  # key -> {(slot, output): dim order seen at run time} (NOTE [Layouts of call outputs], ops.py)
+_relayouts: Counter = Counter()  # key -> captures made again for a layout seen
+_layout_reasons: dict = {}  # key -> the reason of its next capture
+MAX_RELAYOUTS = 3  # then a key keeps its graph and copies what comes in another layout
+
+
+def _learn_layouts(key, observed: dict) -> bool:
+    """Count the outputs a replay copied into their traced layout; remember the dense layouts
+    they had. True when that is new for this key: its graph is then dropped and the next
+    backward captures again, in those layouts (NOTE [Layouts of call outputs], ops.py)."""
+    with LOCK:
+        STATS.layout_copies += len(observed)
+    seen = {where: order for where, order in observed.items() if order is not None}
+    table = LAYOUTS.get(key, {})
+    new = {where: order for where, order in seen.items() if table.get(where) != order}
+    if not new or _relayouts[key] >= MAX_RELAYOUTS:
+        return False
+    if key not in LAYOUTS and len(LAYOUTS) >= 1024:
+        LAYOUTS.pop(next(iter(LAYOUTS)))
+    LAYOUTS[key] = {**table, **new}
+    _relayouts[key] += 1
+    _layout_reasons[key] = f"{len(new)} call outputs came back in another layout than traced: captured again in those layouts"
+    log.info("%d call outputs in another layout than traced: the next backward captures again", len(new))
+    return True
+
+
+NODE_LAYOUTS: dict = {}  # key -> {(node, output): layout seen}: the opaque nodes' outputs
+
+
+def _layouts(key) -> dict:
+    """What the trace of this key predicts from earlier backwards: (slot, output) -> layout
+    for calls seen in another layout, ("node", index, output) -> layout for opaque nodes."""
+    nodes = NODE_LAYOUTS.get(key) or {}
+    return {**{("node", *where): layout for where, layout in nodes.items()}, **LAYOUTS.get(key, {})}
+
+
+def _opaque_outputs_to_learn(cfg, key, collected) -> list:
+    """The opaque nodes of a graph not seen before whose outputs' layouts no backward has
+    shown: (index, node) each (NOTE [Layouts of call outputs], ops.py)."""
+    if key in NODE_LAYOUTS:
+        return []
+    capture = collected.capture
+    idxs = [i for i, n in enumerate(collected.nodes) if n.execute and (n.opaque or (n.name in cfg.opaque and n.kind != ACCUMULATE_KIND))]
+    idxs += [i for i, info in collected.pynodes.items() if info.opaque_reason is not None and i not in idxs]
+    if not idxs:
+        NODE_LAYOUTS[key] = {}
+        return []
+    return [(i, capture.node_object(i)) for i in idxs]
+
+
+def _learn_node_layouts(key, watch, eager):
+    """Run this backward in eager autograd, with a post hook on each opaque node that notes
+    how its outputs are laid out (a custom Function may return a sparse or a transposed
+    grad); the next backward is traced with them."""
+    seen: dict = {}
+
+    def observer(idx):
+        def post(grad_inputs, grad_outputs):
+            for k, g in enumerate(grad_inputs):
+                if isinstance(g, torch.Tensor):
+                    seen[(idx, k)] = ops.observed_layout(g)
+
+        return post
+
+    handles = [node.register_hook(observer(idx)) for idx, node in watch]
+    del watch
+    log.info("eager backward to learn the layouts of %d opaque nodes' outputs", len(handles))
+    try:
+        result = eager()
+    finally:
+        for h in handles:
+            h.remove()
+    if len(NODE_LAYOUTS) >= 1024:
+        NODE_LAYOUTS.pop(next(iter(NODE_LAYOUTS)))
+    NODE_LAYOUTS[key] = seen
+    with LOCK:
+        STATS.learning_backwards += 1
+    return result
+
+
+def _release_completed(capture, plan, slot) -> None:
+    """NOTE [A backward that raised part way]
+    When a hook or an opaque node raises, eager's engine has already run the nodes before
+    it, and, without retain_graph, freed their saved tensors: a second `backward()` of the
+    same graph raises "Trying to backward through the graph a second time" instead of
+    accumulating the grads that reached `.grad` before the error once more. A graph of ours
+    that raised part way (a call raised: its slot is the last one started) frees the same
+    nodes: those eager ran before that call's node, and the node itself when the call was
+    one of its post hooks (eager applied it). A hit of a boxed graph has freed every node
+    before running (NOTE [Boxed graphs free their inputs]), so a retry raises there even
+    where eager's would not (a hook on the root raising before any node ran)."""
+    if slot is None:
+        return
+    s = plan.slots[slot]
+    capture.release_nodes(list(range(s.at + (1 if s.completes_node else 0))))
+
+
+def _check_outputs(key, entry: CompiledBackward, capture, results: list, sizes: tuple) -> None:
+    """The first run of an entry's fn: its results must be what the traced graph returns,
+    before any is applied; a graph that fails leaves the cache (the next backward of this
+    structure captures and compiles again)."""
+    if entry.expected is not None:
+        grad_mode = entry.plan.differentiable is not None and any(entry.plan.differentiable)
+        problems = mismatches(entry.expected, results, sizes, entry.plan.num_results if grad_mode else None)
+        if problems:
+            CACHE.discard(key, entry)
+            capture.clear()
+            raise backend_output_error(entry, problems)
+    object.__setattr__(entry, "checked", True)  # (a frozen entry; this flag is no part of its value)
+
+
+def backend_output_error(entry: CompiledBackward, problems: list[str]) -> BackendOutputError:
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    return BackendOutputError(
+        f"compiled_autograd: the backward graph compiled by backend {entry.backend!r} returned outputs "
+        f"that differ from the traced graph's: {'; '.join(problems[:3])}{more}. No gradient was "
+        "applied, and the graph was dropped from the cache: the next backward of this structure "
+        "captures and compiles it again."
+    )
 
 
 def _apply(entry: CompiledBackward, capture, results: list):
@@ -694,16 +944,24 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
         capture.clear()
         pause.resume()
         return _fall_back(cfg, reason, eager)
+    fam = CACHE.family(key)
+    if fam is None and not create_graph:
+        watch = _opaque_outputs_to_learn(cfg, key, collected)
+        if watch:  # NOTE [Layouts of call outputs] (ops.py)
+            capture.clear()
+            pause.resume()
+            return _learn_node_layouts(key, watch, eager)
     capture.grad_mode = create_graph  # AccumulateGrad applies the results as under create_graph
     lifted = collected.lifted
-    fam = CACHE.family(key)
     entry, extra = fam.lookup(collected.sizes, lifted) if fam is not None else (None, [])
     missed = entry is None
     released = False
+    observed: dict = {}  # NOTE [Layouts of call outputs] (ops.py)
     try:
         if entry is None:
             pause.resume()  # tracing and compiling make garbage cycles
             mask, reason = _plan_capture(cfg, fam, collected)
+            reason = _layout_reasons.pop(key, reason)
             if create_graph:
                 mask, reason = None, reason + (" (create_graph=True: static shapes)" if mask else " (create_graph=True)")
             pkey = diskcache.portable_key(key, collected.sizes) if cfg.disk_cache and mask is None and not create_graph else None
@@ -714,19 +972,24 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
             else:
                 try:
                     history = tuple(e.sizes for e in fam.entries()) if fam is not None else ()
-                    entry = _capture_and_compile(cfg, collected, key, mask, reason, history, create_graph)
+                    entry = _capture_and_compile(cfg, collected, key, mask, reason, history, create_graph, _layouts(key))
                 except Exception:
                     if mask is None or cfg.fullgraph:
                         raise
                     log.info("dynamic capture failed, capturing static shapes", exc_info=True)
-                    entry = _capture_and_compile(cfg, collected, key, None, reason + "; dynamic capture failed")
+                    entry = _capture_and_compile(cfg, collected, key, None, reason + "; dynamic capture failed", layouts=_layouts(key))
             try:
                 extra = entry.dynamic.extra_args(collected.sizes) if entry.dynamic else []
-                results = _replay(entry, capture, lifted, extra, collected.hooks)
+                results = _replay(entry, capture, lifted, extra, collected.hooks, free_on_failure=not keep_graph, observed=observed)
             except BaseException:
                 _start_compile_of(entry, run=False)
                 raise
-            CACHE.family(key, create=True).add(entry)  # only graphs that ran
+            if observed and _learn_layouts(key, observed):
+                # (not cached: the next backward captures again, in the layouts seen)
+                _start_compile_of(entry, run=False)
+                pkey = None
+            else:
+                CACHE.family(key, create=True).add(entry)  # only graphs that ran
             CACHE.evict(cfg.cache_size_limit)
             if record is None and collected.pynodes:
                 for name in CHURN.note_capture(collected):
@@ -755,10 +1018,16 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
                 elif releases[0][0] == -1:
                     capture.release_nodes(releases[0][1])
                 released = True
-                results = _replay(entry, capture, args, [], collected.hooks, releases)
+                results = _replay(entry, capture, args, [], collected.hooks, releases, observed=observed)
             else:
-                results = _replay(entry, capture, lifted, extra, collected.hooks)
+                results = _replay(entry, capture, lifted, extra, collected.hooks, free_on_failure=not keep_graph, observed=observed)
+            if observed and _learn_layouts(key, observed):
+                fam.remove(entry)  # the next backward captures again, in the layouts seen
     except Exception as e:
+        if isinstance(e, BackendOutputError):  # (create_graph's first run: its graph checks itself)
+            CACHE.discard(key, entry)
+            capture.clear()
+            raise
         if released or (entry is not None and entry.plan.slots):
             # opaque calls (hooks, nodes) may have run, or the saved tensors are
             # gone: never run the backward twice
@@ -788,6 +1057,8 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
             if _failures[key] >= MAX_CAPTURE_FAILURES:
                 _mark_unsupported(key, reason)
         return _fall_back(cfg, reason, eager)
+    if not entry.checked:  # NOTE [A compiled graph's outputs are checked on its first run] (validate.py)
+        _check_outputs(key, entry, capture, results, collected.sizes)
     if entry.plan.opaque:
         with LOCK:
             STATS.opaque_nodes += len(entry.plan.opaque)

@@ -25,6 +25,8 @@ class Stats:
     trace_seconds / compile_seconds: time spent capturing and compiling
     compiles_pending: background compiles still running (see `synchronize()`)
     compile_failures: background compiles that failed (the traced graph stays in use)
+    layout_copies:   outputs of hooks, opaque nodes and unpack hooks copied into the layout
+                     the graph was traced with (NOTE [Layouts of call outputs] in ops.py)
     """
 
     captures: int = 0
@@ -40,6 +42,7 @@ class Stats:
     compile_seconds: float = 0.0
     compiles_pending: int = 0
     compile_failures: int = 0
+    layout_copies: int = 0
 
     def snapshot(self) -> "Stats":
         return Stats(
@@ -56,11 +59,13 @@ class Stats:
             compile_seconds=self.compile_seconds,
             compiles_pending=self.compiles_pending,
             compile_failures=self.compile_failures,
+            layout_copies=self.layout_copies,
         )
 
     def __str__(self) -> str:
         reasons = ", ".join(f"{r}: {n}" for r, n in self.fallback_reasons.most_common())
         learning = f"learning_backwards={self.learning_backwards} " if self.learning_backwards else ""
+        learning += f"layout_copies={self.layout_copies} " if self.layout_copies else ""
         return (
             f"captures={self.captures} (dynamic {self.dynamic_captures}) disk_hits={self.disk_hits} hits={self.hits} "
             f"eager_fallbacks={self.eager_fallbacks} {learning}"

@@ -54,9 +54,10 @@ from torch.fx.experimental.symbolic_shapes import (
 )
 
 from . import aot, ops
-from .collect import PYNODE_KIND, Collected, _tensors, kept_indices, state_reads, swapped, user_backward
+from .values import NodeKind
+from .collect import PYNODE_KIND, Collected, _tensors, fill_sizes, kept_indices, state_reads, swapped, user_backward
 
-ACCUMULATE_KIND = 1
+ACCUMULATE_KIND = NodeKind.ACCUMULATE
 MAX_OPAQUE_RETRIES = 16  # traces of one backward, each making one more node opaque
 
 
@@ -76,6 +77,14 @@ class Slot(NamedTuple):
     # how many of its last arguments are saved tensors read after it, whose versions it checks
     # (NOTE [Hooks may change what the graph reads]); Plan.watch has their lifted indices
     n_watch: int = 0
+    # the node in whose step the call runs (an UNPACK call's: the node that unpacks)
+    at: int = -1
+
+    @property
+    def completes_node(self) -> bool:
+        """Whether eager has applied (and, without retain_graph, released) node `at` when this
+        call runs: its post hooks run after the node (NOTE [A backward that raised part way])."""
+        return self.kind == ops.POST_HOOKS
 
 
 @dataclass(frozen=True)
@@ -186,29 +195,27 @@ def _union(*bit_sets) -> tuple:
     return tuple(out)
 
 
-def _meta(t):
-    return (list(t.shape), t.dtype, str(t.device))
-
-
 class _BackwardTracer:
-    def __init__(self, collected: Collected, opaque_extra: dict[int, str], size_inputs=()):
+    def __init__(self, collected: Collected, opaque_extra: dict[int, str], size_inputs=(), layouts=None):
         self.c = collected
+        self.layouts = layouts or {}  # (slot, output) -> dim order seen at run time (_layout)
         self.size_inputs = tuple(size_inputs)
         self.sym_sizes = [None] * collected.n_size_inputs
         self.capture = collected.capture
-        self.nodes = self.capture.nodes()
+        self.nodes = collected.nodes
         self.opaque_extra = opaque_extra
         self.slots: list = []
+        self.at = -1  # the node being traced (Slot.at)
         self.ctx_checks: dict = {}  # slot -> custom Function nodes whose ctx is checked after it
         self.results: list = []
         self.accumulate: list = []
         self.in_graph_accumulate = collected.grad_on_ctx or any(
-            (self._is_opaque(i) and self._may_read_grads(i)) or any(n[7][:4]) or n[7][4] for i, n in enumerate(self.nodes)
+            (self._is_opaque(i) and self._may_read_grads(i)) or n.hooks.any for i, n in enumerate(self.nodes)
         )
 
     def _is_opaque(self, idx) -> bool:
         n = self.nodes[idx]
-        if n[3] or idx in self.opaque_extra:
+        if n.opaque or idx in self.opaque_extra:
             return True
         info = self.c.pynodes.get(idx)
         return info is not None and info.opaque_reason is not None
@@ -221,12 +228,12 @@ class _BackwardTracer:
         ops between its prologue and epilogue)."""
         if idx in self.c.pynodes:
             return not aot.is_compiled_function(self.capture.node_object(idx)._forward_cls)
-        return bool(self.nodes[idx][3])
+        return bool(self.nodes[idx].opaque)
 
     def opaque_reason(self, idx) -> str:
         n = self.nodes[idx]
-        if n[3]:
-            return n[4]
+        if n.opaque:
+            return n.opaque_reason
         if idx in self.opaque_extra:
             return self.opaque_extra[idx]
         return self.c.pynodes[idx].opaque_reason
@@ -275,21 +282,33 @@ class _BackwardTracer:
         in_flags = values is not None and any(v is not None and v.bits is not None for v in values)
         if in_flags:
             args = list(args) + [self._defined_each(values)]
-        self.slots.append(Slot(kind, node, mask, in_flags))
-        metas = [m for m in out_metas if m is not None]
-        sizes, ranks, dtypes, devices = [], [], [], []
-        for shape, dtype, device in metas:
-            sizes.extend(shape)
-            ranks.append(len(shape))
-            dtypes.append(ops._DTYPE_CODE[dtype])
-            devices.append(ops.device_code(device))
+        self.slots.append(Slot(kind, node, mask, in_flags, at=self.at))
+        metas = [self._layout(slot, k, m) for k, m in enumerate(m for m in out_metas if m is not None)]
         keeps = flags if keeps is None else keeps
         bits = (ops.DEFINEDNESS if flags else 0) | (ops.KEEPS_INPUTS if keeps else 0) | ops.FREED_NOT_REUSED | ops.DIRECT
-        outs = torch.ops.compiled_autograd.call(slot, list(args), sizes, ranks, dtypes, devices, bits)
+        outs = torch.ops.compiled_autograd.call(slot, list(args), ops.encode_meta(metas), bits)
         flag = outs[-1] if flags else None
         it = iter(outs)
         positional = [next(it) if m else None for m in mask]
         return positional, flag
+
+    def _layout(self, slot, k, meta) -> ops.OutputMeta:
+        """Output k of call `slot` as the trace predicts it (NOTE [Layouts of call outputs],
+        ops.py): in the layout it had at run time when that differed from the prediction
+        before (`layouts`), else as given: an OutputMeta, or (shape, dtype, device), contiguous."""
+        if not isinstance(meta, ops.OutputMeta):
+            shape, dtype, device = meta
+            meta = ops.OutputMeta.dense(shape, dtype, torch.device(device))
+        return self._seen_layout(meta, self.layouts.get((slot, k)))
+
+    @staticmethod
+    def _seen_layout(meta: ops.OutputMeta, seen) -> ops.OutputMeta:
+        """`meta` laid out as a backward showed (ops.observed_layout), if it showed one."""
+        if seen == "sparse_coo":
+            return ops.OutputMeta(meta.shape, meta.dtype, meta.device, [0] * len(meta.shape), torch.sparse_coo)
+        if isinstance(seen, tuple) and len(seen) == len(meta.shape):
+            return ops.OutputMeta.dense(meta.shape, meta.dtype, meta.device, seen)
+        return meta
 
     def _hook_call(self, kind, idx, values: list, extra=()):
         """One call of a node's hooks on the grads `values` (post hooks also get the
@@ -298,7 +317,8 @@ class _BackwardTracer:
         flag, and the grad is defined iff it was before and the flag is set (NOTE
         [Undefined grads of opaque nodes])."""
         tensors = [v.t if v is not None else None for v in values]
-        metas = [_meta(t) if t is not None else None for t in tensors]
+        # a hook's result is predicted in its grad's layout (dense: as empty_like lays it out)
+        metas = [ops.OutputMeta.like(t) if t is not None else None for t in tensors]
         every = list(values) + list(extra)
         # a tensor hook gets None for an undefined grad and cannot make a defined one
         # undefined (returning None keeps it; giving a tensor for None raises in eager's
@@ -342,9 +362,9 @@ class _BackwardTracer:
         self.in_graph_metas = {}
         self.node_inputs: list = []  # the grads entering the node being traced
         self.unconsumed: list = []  # graph results (grads for AccumulateGrad or grad()) since the last unpack call
-        for hid, dtype, device, dim in c.in_graph:
-            self.in_graph_metas[hid] = (dims[:dim], dtype, device)
-            dims = dims[dim:]
+        for u in c.in_graph:
+            self.in_graph_metas[u.hid] = ops.OutputMeta.dense(dims[: u.dim], u.dtype, u.device, u.order)
+            dims = dims[u.dim :]
         unpacked = [args[i] if i >= 0 else None for i in c.unpacked]
         capture.begin_trace(list(args[: c.n_native]), unpacked, self._unpack_in_graph, sym)
         try:
@@ -374,7 +394,7 @@ class _BackwardTracer:
         def add(idx, nr, v: _Value | None):
             if idx < 0 or v is None:
                 return
-            buf = buffers.setdefault(idx, [None] * self.nodes[idx][8])
+            buf = buffers.setdefault(idx, [None] * self.nodes[idx].num_inputs)
             buf[nr] = _sum(buf[nr], v)
 
         roots = capture.roots()
@@ -384,27 +404,27 @@ class _BackwardTracer:
 
         captured = [(-1, -1)] * capture.num_results()
         for idx, node in enumerate(self.nodes):
-            name, kind, execute, _, _, edges, caps, hooks, n_inputs, _, _ = node
-            n_tensor_pre, n_retains, n_pre, n_post, post_acc = hooks
-            values = buffers.pop(idx, [None] * n_inputs)
+            self.at = idx
+            hooks, kind = node.hooks, node.kind
+            values = buffers.pop(idx, [None] * node.num_inputs)
             # grad() captures what reaches a node: after its tensor pre-hooks when the node
             # does not run, before them when it does (the engine's evaluate_function)
-            if not execute and (n_tensor_pre or n_retains):
+            if not node.execute and (hooks.tensor_pre or hooks.retains):
                 values = self._hook_call(ops.TENSOR_PRE_HOOKS, idx, values)
-            for nr, out_idx in caps:
+            for nr, out_idx in node.captures:
                 captured[out_idx] = self._result(values[nr])
-            if not execute:
+            if not node.execute:
                 continue
             # a leaf's tensor hooks and its accumulation: one call (NOTE [A leaf's hooks and
             # its accumulation in one call], ops.py), where its grad is always defined
             hooked = None
             # (not with post hooks on the node: they get the grads the tensor hooks returned)
-            if kind == ACCUMULATE_KIND and self.in_graph_accumulate and (n_tensor_pre or n_retains) and not n_pre and not n_post:
+            if kind == ACCUMULATE_KIND and self.in_graph_accumulate and (hooks.tensor_pre or hooks.retains) and not hooks.pre and not hooks.post:
                 v = values[0]
                 hooked = v if v is not None and v.bits is None else None
-            if (n_tensor_pre or n_retains) and hooked is None:
+            if (hooks.tensor_pre or hooks.retains) and hooked is None:
                 values = self._hook_call(ops.TENSOR_PRE_HOOKS, idx, values)
-            if n_pre:
+            if hooks.pre:
                 values = self._hook_call(ops.PRE_HOOKS, idx, values)
             in_bits = self._input_bits(values)
             if kind == ACCUMULATE_KIND and hooked is not None:
@@ -416,9 +436,9 @@ class _BackwardTracer:
             else:
                 outputs = self._apply(idx, kind, values, args)
                 outputs = [None if o is None else (o if isinstance(o, _Value) else self._output_value(o, in_bits, values)) for o in outputs]
-            if n_post:
+            if hooks.post:
                 outputs = self._post_hooks(idx, outputs, values)
-            for (to, nr), v in zip(edges, outputs):
+            for (to, nr), v in zip(node.edges, outputs):
                 add(to, nr, v)
         return self.results, captured
 
@@ -486,16 +506,17 @@ class _BackwardTracer:
         return _Value(o, in_bits, exact=exact)
 
     def _opaque_node(self, idx, values):
-        edges, edge_sizes = self.nodes[idx][5], self.nodes[idx][9]
+        edges, edge_sizes = self.nodes[idx].edges, self.nodes[idx].edge_sizes
         metas = []
-        for (to, nr), pos in zip(edges, edge_sizes):
+        for k, ((to, nr), pos) in enumerate(zip(edges, edge_sizes)):
             m = None
             md = self.capture.input_metadata(to)[nr] if to >= 0 else None
             if md is not None:
-                # the output's shape, symbolic where the edge's metadata sizes are
+                # the output's shape, symbolic where the edge's metadata sizes are; laid out
+                # as an eager backward showed (NOTE [Layouts of call outputs], ops.py)
                 shape, dtype, device = md
                 dims = [v if self.sym_sizes[pos + d] is None else self.sym_sizes[pos + d] for d, v in enumerate(shape)]
-                m = (dims, dtype, device)
+                m = self._seen_layout(ops.OutputMeta.dense(dims, dtype, torch.device(device)), self.layouts.get(("node", idx, k)))
             metas.append(m)
         tensors = [v.t if v is not None else None for v in values]
         outs, flag = self._call(ops.NODE, idx, tensors, metas, flags=True, values=values)
@@ -519,7 +540,7 @@ class _BackwardTracer:
         # PyNode::apply: undefined grads become zeros shaped like the forward
         # output, unless materialization is off (also for non-differentiable
         # outputs, separately)
-        pos = self.nodes[idx][10]  # the outputs' sizes are the node's size inputs (symbolic if dynamic)
+        pos = self.nodes[idx].size_start  # the outputs' sizes are the node's size inputs (symbolic if dynamic)
         for g, m, info_i in zip(grads, metas, output_info):
             if info_i is None:
                 inputs.append(g)
@@ -562,9 +583,10 @@ class _BackwardTracer:
 
             capture_swap = native.load().PyNodeSavedSwap(node, [args[i] if i >= 0 else None for i in info.saved])
             kept = [args[i] for i in info.saved if i >= 0] + [args[i] for _, _, i in info.read]
+            ints = iter(self.aot_ints[info.aot_start :])  # NOTE [Sizes kept on ctx] (collect.py)
             for name, value in info.attrs:
-                originals[name] = value
-                rebuilt = _rebuild(value, self.c, args)
+                originals[name] = vars(node)[name]
+                rebuilt = _rebuild(fill_sizes(value, ints), self.c, args)
                 setattr(node, name, rebuilt)
                 kept += _tensors(rebuilt)
             versions = [t._version for t in kept]
@@ -761,7 +783,7 @@ def _aot_sources(collected: Collected) -> list:
 
 def _in_graph_sources(collected: Collected) -> list:
     """A source per dim of the tensors unpacked in the graph (NOTE [Unpacking in the graph])."""
-    return [LocalSource(f"unpacked{hid}_{d}") for hid, _, _, dim in collected.in_graph for d in range(dim)]
+    return [LocalSource(f"unpacked{u.hid}_{d}") for u in collected.in_graph for d in range(u.dim)]
 
 
 # NOTE [No item symbols for lifted scalars]
@@ -836,17 +858,17 @@ def fake_inputs(collected: Collected, mask, history=()):
     return mode, shape_env, fakes, symints, tuple(size_inputs), tuple(real_mask) if mask else None
 
 
-def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, history=(), create_graph=False) -> Captured:
+def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, history=(), create_graph=False, layouts=None) -> Captured:
     """Trace the whole backward (symbolic where `mask` says; `history`: the
     sizes of earlier backwards of this key); nodes that cannot be traced
     become opaque. With `create_graph`, the formulas run in grad mode, as the
     engine runs them then, on fakes that require grad where the real tensors do."""
     opaque_extra: dict[int, str] = {
-        i: "marked opaque" for i, n in enumerate(collected.capture.nodes()) if n[0] in opaque_names and n[1] != ACCUMULATE_KIND
+        i: "marked opaque" for i, n in enumerate(collected.nodes) if n.name in opaque_names and n.kind != ACCUMULATE_KIND
     }
     for _ in range(MAX_OPAQUE_RETRIES):
         mode, shape_env, fakes, symints, size_inputs, real_mask = fake_inputs(collected, mask, history)
-        tracer = _BackwardTracer(collected, opaque_extra, size_inputs)
+        tracer = _BackwardTracer(collected, opaque_extra, size_inputs, layouts)
         out: dict[str, Any] = {}
 
         def backward_graph(*args):
@@ -940,9 +962,8 @@ def _mark_fresh_grads(gm: torch.fx.GraphModule, slots: list) -> tuple:
     result, or a view of one, rather than (a view of) a graph input, which is a tensor
     the user or the autograd graph still holds, and that nothing else in the graph reads
     (`_read_only_here`). In the plan (the slot's `fresh`) and in
-    the graph (the call's sizes argument, unused by an ACCUMULATE call, becomes
-    ops.HANDED_OVER: inductor's lowering of the call then keeps that buffer from reuse,
-    and a compiled artifact from before that lowering cannot match the graph). NOTE
+    the graph (the call's flags get ops.HANDS_OVER: inductor's lowering of the call then
+    keeps that buffer from reuse). NOTE
     [Stealing a fresh grad], ops.py."""
     slots = list(slots)
     marked = False
@@ -954,7 +975,8 @@ def _mark_fresh_grads(gm: torch.fx.GraphModule, slots: list) -> tuple:
             continue
         if _read_only_here(n.args[1][0]):
             slots[slot] = slots[slot]._replace(fresh=True)
-            n.args = (n.args[0], n.args[1], list(ops.HANDED_OVER), *n.args[3:])
+            c = ops.CallArgs.of(n)
+            n.args = tuple(c._replace(flags=c.flags | ops.HANDS_OVER))
             marked = True
     if marked:
         gm.recompile()
@@ -1038,7 +1060,8 @@ def _order_reads_before_calls(
         """`a` (an unchecked graph input, or a view of one) as call `c` returns it."""
         mine = passes.setdefault(c, {})
         if a not in mine:
-            first = len(c.args[3]) + (1 if c.args[6] & ops.DEFINEDNESS else 0)
+            call_args = ops.CallArgs.of(c)
+            first = call_args.n_outputs + (1 if call_args.flags & ops.DEFINEDNESS else 0)
             with gm.graph.inserting_after(c):
                 g = gm.graph.call_function(operator.getitem, (c, first + len(mine)))
             g.meta["val"] = a.meta.get("val")
@@ -1101,8 +1124,8 @@ def _order_reads_before_calls(
         watch.append((slot, tuple(i for _, i in items)))
         changed = True
     for c, mine in passes.items():  # after the watched tensors: ops.call takes them off first
-        flags = c.args[6] | (len(mine) << ops.PASSES_SHIFT)
-        c.args = (c.args[0], list(c.args[1]) + list(mine), *c.args[2:6], flags)
+        call_args = ops.CallArgs.of(c)
+        c.args = tuple(call_args._replace(args=list(call_args.args) + list(mine), flags=call_args.flags | (len(mine) << ops.PASSES_SHIFT)))
         if isinstance(c.meta.get("val"), (list, tuple)):
             c.meta["val"] = [*c.meta["val"], *(g.meta["val"] for g in mine.values())]
     if changed:

@@ -1715,11 +1715,11 @@ class GraphCapture {
 // to the Python functions installed here.
 // ---------------------------------------------------------------------------
 struct ReplayFrame {
-  py::tuple frame; // ops.replaying.frame: (capture, slots, outside, hooks, steal, keep, versions, ctx, releases)
+  py::tuple frame; // ops.replaying.frame: (capture, slots, outside, hooks, steal, keep, versions, ctx, releases, observed)
   GraphCapture* capture;
   StorageSet* steal; // nullptr: never steal
   c10::DispatchKeySet outside; // the dispatch keys the backward call excluded
-  py::list nodes; // ops._replay.nodes: the node of the last call, at index `pos`
+  py::list last; // ops._replay.last: the slot of the last call, at index `pos`
   Py_ssize_t pos;
 };
 
@@ -1736,7 +1736,7 @@ struct CallFallbacks {
   std::vector<py::object> kinds; // the slot kinds, in CallKind's order
   std::vector<at::ScalarType> dtypes; // ops._DTYPES
   std::vector<c10::DeviceType> device_types; // ops._DEVICE_TYPES
-  py::object check_versions, check_ctx, hooks_added_error, shared_modified_error, conform_error;
+  py::object check_versions, check_ctx, hooks_added_error, shared_modified_error, conform_error, observed_layout, conformed;
 };
 
 static CallFallbacks& fallbacks() {
@@ -1765,17 +1765,19 @@ static void install_calls(py::dict fns) {
   f.hooks_added_error = fns["hooks_added_error"];
   f.shared_modified_error = fns["shared_modified_error"];
   f.conform_error = fns["conform_error"];
+  f.observed_layout = fns["observed_layout"];
+  f.conformed = fns["conformed"];
 }
 
-static void push_replay(py::tuple frame, py::list nodes) {
+static void push_replay(py::tuple frame, py::list last) {
   py::object steal = frame[4];
   replay_frames.push_back(ReplayFrame{
       frame,
       frame[0].cast<GraphCapture*>(),
       steal.is_none() ? nullptr : steal.cast<StorageSet*>(),
       c10::impl::tls_local_dispatch_key_set().excluded_,
-      nodes,
-      PyList_GET_SIZE(nodes.ptr()) - 1});
+      last,
+      PyList_GET_SIZE(last.ptr()) - 1});
 }
 
 static void pop_replay() {
@@ -1832,22 +1834,78 @@ static bool sole_owner(const at::Tensor& t) {
   return alone && t.has_storage() && t.storage().use_count() == 1;
 }
 
+// One output of a call as the graph was traced with it (ops.OutputMeta), read from the
+// call's `meta` argument (ops.encode_meta: per output rank, dtype code, device code, shape,
+// strides).
+struct OutputMeta {
+  std::vector<int64_t> shape, strides;
+  at::ScalarType dtype;
+  c10::Device device;
+  bool sparse; // sparse COO (ops._LAYOUTS[1]), else strided
+
+  at::Tensor empty() const {
+    auto options = at::TensorOptions().dtype(dtype).device(device);
+    if (sparse) {
+      return at::empty(shape, options.layout(at::kSparse));
+    }
+    return at::empty_strided(shape, strides, options);
+  }
+  // ops.OutputMeta.has_layout: the layout, and the strides of the dims longer than 1
+  bool has_layout(const at::Tensor& t) const {
+    if ((t.layout() == at::kSparse) != sparse || (!sparse && t.layout() != at::kStrided)) {
+      return false;
+    }
+    if (sparse || t.numel() == 0) {
+      return true;
+    }
+    for (size_t d = 0; d < shape.size(); ++d) {
+      if (shape[d] > 1 && t.stride(static_cast<int64_t>(d)) != strides[d]) {
+        return false;
+      }
+    }
+    return true;
+  }
+};
+
+static std::vector<OutputMeta> decode_meta(const py::list& meta) {
+  auto& fb = fallbacks();
+  std::vector<OutputMeta> out;
+  Py_ssize_t pos = 0, n = PyList_GET_SIZE(meta.ptr());
+  while (pos < n) {
+    auto rank = meta[pos].cast<Py_ssize_t>();
+    auto dtype = fb.dtypes.at(meta[pos + 1].cast<size_t>());
+    auto dev = meta[pos + 2].cast<int64_t>();
+    auto index = static_cast<c10::DeviceIndex>(dev % 1024 - 1);
+    c10::Device device(fb.device_types.at(static_cast<size_t>(dev / 1024)), index);
+    bool sparse = meta[pos + 3].cast<int64_t>() == 1;
+    pos += 4;
+    OutputMeta m{{}, {}, dtype, device, sparse};
+    for (Py_ssize_t r = 0; r < rank; ++r) {
+      m.shape.push_back(meta[pos + r].cast<int64_t>());
+      m.strides.push_back(meta[pos + rank + r].cast<int64_t>());
+    }
+    pos += 2 * rank;
+    out.push_back(std::move(m));
+  }
+  return out;
+}
+
 // The outputs of a hook or node call as the graph expects them (ops._conform): per output
-// traced as defined (`mask`), the tensor, contiguous and without lazy conj/neg bits, copied
-// unless the graph's code is its only owner or it is one of `keep`; zeros where it is None;
-// then, with DEFINEDNESS, which were defined. Anything else: ops._conform's error.
+// traced as defined (`mask`), the tensor, in the traced layout (copied into it, and its own
+// layout reported to `observed`, where it had another: NOTE [Layouts of call outputs]) and
+// without lazy conj/neg bits, copied unless the graph's code is its only owner or it is one
+// of `keep`; zeros where it is None; then, with DEFINEDNESS, which were defined. Anything
+// else: ops._conform's error.
 static py::list conform(
     int kind,
     ReplayFrame& f,
+    int64_t slot,
     py::handle kind_obj,
     py::handle node_obj,
     py::handle mask,
     std::vector<std::optional<at::Tensor>> outs,
     const std::vector<at::Tensor>& keep,
-    const py::list& sizes,
-    const py::list& ranks,
-    const py::list& dtypes,
-    const py::list& devices,
+    const py::list& meta_list,
     int64_t flags) {
   auto& fb = fallbacks();
   auto n_mask = static_cast<size_t>(PyTuple_GET_SIZE(mask.ptr()));
@@ -1856,15 +1914,16 @@ static py::list conform(
     for (auto& o : outs) {
       given.append(o.has_value() && o->defined() ? wrap(*o) : py::none());
     }
-    fb.conform_error(kind_obj, py::handle(f.frame[0]), node_obj, mask, given, sizes, ranks, dtypes, devices, flags);
+    fb.conform_error(kind_obj, py::handle(f.frame[0]), node_obj, mask, given, meta_list, flags);
     throw std::runtime_error("compiled_autograd: ops._conform accepted what the helper did not");
   };
   if (outs.size() < n_mask) {
     outs.resize(n_mask);
   }
+  auto metas = decode_meta(meta_list);
   py::list result;
   std::vector<bool> present;
-  Py_ssize_t pos = 0, meta = 0;
+  size_t k = 0;
   for (size_t i = 0; i < n_mask; ++i) {
     bool traced = PyTuple_GET_ITEM(mask.ptr(), i) == Py_True;
     bool defined = outs[i].has_value() && outs[i]->defined();
@@ -1874,30 +1933,29 @@ static py::list conform(
       }
       continue;
     }
-    auto rank = ranks[meta].cast<Py_ssize_t>();
-    std::vector<int64_t> shape;
-    for (Py_ssize_t r = 0; r < rank; ++r) {
-      shape.push_back(sizes[pos + r].cast<int64_t>());
-    }
-    pos += rank;
-    auto dtype = fb.dtypes.at(dtypes[meta].cast<size_t>());
-    auto dev = devices[meta].cast<int64_t>();
-    auto index = static_cast<c10::DeviceIndex>(dev % 1024 - 1);
-    c10::Device device(fb.device_types.at(static_cast<size_t>(dev / 1024)), index);
-    ++meta;
+    const OutputMeta& m = metas.at(k);
     if (!defined) {
       present.push_back(false);
-      result.append(wrap(at::zeros(shape, at::TensorOptions().dtype(dtype).device(device))));
+      result.append(wrap(m.empty().zero_()));
+      ++k;
       continue;
     }
     at::Tensor o = std::move(*outs[i]);
     outs[i].reset();
-    if (o.sizes() != c10::IntArrayRef(shape) || o.scalar_type() != dtype || o.device() != device) {
+    if (o.sizes() != c10::IntArrayRef(m.shape) || o.scalar_type() != m.dtype || o.device() != m.device) {
       outs[i] = std::move(o);
       fail();
     }
     present.push_back(true);
-    o = o.resolve_conj().resolve_neg().contiguous();
+    o = o.resolve_conj().resolve_neg();
+    if (!m.has_layout(o)) {
+      py::object given = wrap(o);
+      py::handle observed = f.frame[9];
+      if (!observed.is_none()) {
+        observed[py::make_tuple(slot, k)] = fb.observed_layout(given);
+      }
+      o = THPVariable_Unpack(fb.conformed(meta_list, k, given).ptr());
+    }
     bool kept = std::any_of(keep.begin(), keep.end(), [&](const at::Tensor& a) {
       return a.unsafeGetTensorImpl() == o.unsafeGetTensorImpl();
     });
@@ -1905,6 +1963,7 @@ static py::list conform(
       o = o.clone();
     }
     result.append(wrap(std::move(o)));
+    ++k;
   }
   if (flags & kDefinedness) {
     auto flags_t = at::empty({static_cast<int64_t>(present.size())}, at::TensorOptions().dtype(at::kBool));
@@ -1917,25 +1976,18 @@ static py::list conform(
   return result;
 }
 
-static py::object call_direct(
-    int64_t slot,
-    py::list args,
-    py::list sizes,
-    py::list ranks,
-    py::list dtypes,
-    py::list devices,
-    int64_t flags) {
+static py::object call_direct(int64_t slot, py::list args, py::list meta, int64_t flags) {
   auto& fb = fallbacks();
   if (at::GradMode::is_enabled() || c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
-    return fb.call_direct(slot, args, sizes, ranks, dtypes, devices, flags);
+    return fb.call_direct(slot, args, meta, flags);
   }
-  auto python = [&]() { return fb.run_call(slot, args, sizes, ranks, dtypes, devices, flags); };
+  auto python = [&]() { return fb.run_call(slot, args, meta, flags); };
   if (replay_frames.empty()) {
     return python();
   }
   ReplayFrame f = replay_frames.back(); // (a copy: a hook's nested backward pushes and pops frames)
   py::tuple s = py::reinterpret_borrow<py::tuple>(py::handle(f.frame[1])[py::int_(slot)]);
-  // Slot: (kind, node, mask, in_flags, fresh, n_after, shared, n_watch)
+  // Slot: (kind, node, mask, in_flags, fresh, n_after, shared, n_watch, at)
   py::handle kind_obj = s[0];
   int kind = call_kind(kind_obj);
   if (kind == CALL_OTHER || c10::impl::tls_local_dispatch_key_set().excluded_ != f.outside) {
@@ -1957,10 +2009,15 @@ static py::object call_direct(
   Py_ssize_t n_passed = flags >> kPassesShift;
   Py_ssize_t end_watch = PyList_GET_SIZE(args.ptr()) - n_passed;
   Py_ssize_t n = end_watch - n_watch - n_after;
-  PyObject* last = PyList_GET_ITEM(f.nodes.ptr(), f.pos);
-  if (!node_obj.equal(py::handle(last))) {
-    // the engine runs each node in the backward's grad mode (ops._run_call)
-    PyList_SetItem(f.nodes.ptr(), f.pos, node_obj.inc_ref().ptr());
+  // the slot of the last call (ops._replay.last); the engine runs each node in the
+  // backward's grad mode (ops._run_call)
+  py::object at_obj = s[8];
+  PyObject* last = PyList_GET_ITEM(f.last.ptr(), f.pos);
+  bool new_node = last == Py_None ||
+      !at_obj.equal(py::handle(PyTuple_GET_ITEM(py::handle(f.frame[1])[py::handle(last)].ptr(), 8)));
+  py::int_ slot_obj(slot);
+  PyList_SetItem(f.last.ptr(), f.pos, slot_obj.inc_ref().ptr());
+  if (new_node) {
     if (at::GradMode::is_enabled() != f.capture->grad_mode) {
       at::GradMode::set_enabled(f.capture->grad_mode);
     }
@@ -2028,7 +2085,7 @@ static py::object call_direct(
       }
     }
     inputs.clear();
-    outs = conform(kind, f, kind_obj, node_obj, mask, std::move(results), keep, sizes, ranks, dtypes, devices, flags);
+    outs = conform(kind, f, slot, kind_obj, node_obj, mask, std::move(results), keep, meta, flags);
   }
   if (f.capture->hooks_added(node, kStage[kind])) {
     fb.hooks_added_error(kind_obj, py::handle(f.frame[0]), node_obj);
@@ -2125,10 +2182,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       &compiled_autograd_native::call_direct,
       py::arg("slot"),
       py::arg("args"),
-      py::arg("sizes"),
-      py::arg("ranks"),
-      py::arg("dtypes"),
-      py::arg("devices"),
+      py::arg("meta"),
       py::arg("flags"));
   using compiled_autograd_native::PyNodeSavedSwap;
   using compiled_autograd_native::StorageSet;
