@@ -1,7 +1,7 @@
 """Backward-pass benchmark: eager autograd vs torch's built-in compiled autograd vs ours.
 
     python benchmarks/run.py [--quick] [--workloads mlp256,chain] [--modes eager,ours:inductor]
-    python -m compiled_autograd bench [same options]
+    python -m benchmarks.run [same options]
 
 Every (workload, mode) runs in a fresh subprocess (benchmarks/worker.py) with
 torch.set_num_threads(--threads) and, by default, a fresh empty inductor cache

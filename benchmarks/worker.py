@@ -169,24 +169,22 @@ class Mode:
         self.native_load_s = None
         try:
             from compiled_autograd import native
-
             t0 = pc()
             native.load()
             self.native_load_s = pc() - t0
         except (ImportError, AttributeError):
             pass
         if self.graph_timing:
-            # Wrap whatever the backend returns with a timer (runtime.compile_graph is the one
-            # place the library turns a captured graph into a callable).
+            # Wrap whatever the backend returns with a timer (compile.backends.compile_graph is
+            # the one place the library turns a captured graph into a callable).
             try:
-                from compiled_autograd import runtime
-
-                original = runtime.compile_graph
+                from compiled_autograd.compile import backends
+                original = backends.compile_graph
 
                 def compile_graph(*args, **kwargs):
                     return self._timed(original(*args, **kwargs))
 
-                runtime.compile_graph = compile_graph
+                backends.compile_graph = compile_graph
             except (ImportError, AttributeError):
                 self.graph_timing = False
         backend = self.backend

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m compiled_autograd demo "$@"
+exec .venv/bin/python examples/demo.py "$@"

@@ -1,6 +1,6 @@
 """torch.compile'd forwards: their AOTAutograd backwards inlined into our graph.
 
-NOTE [Inlining AOTAutograd backwards] (aot.py). Each test compares with eager autograd on two
+NOTE [Inlining AOTAutograd backwards] (nodes/compiled_region.py). Each test compares with eager autograd on two
 different inputs through one cache entry (helpers.parity), eager first: eager's backward
 compiles the region's backward itself before ours traces it.
 """

@@ -539,7 +539,7 @@ def test_a_backward_whose_capture_fails_twice_is_not_traced_again():
 def test_in_graph_task_is_a_new_graph_task_each_time_nests_and_survives_errors():
     # graph_task.in_graph_task reuses its one-node graph (retained): each run must still be
     # its own graph task, a nested run gets another graph, and an error leaves it usable
-    from compiled_autograd.graph_task import in_graph_task
+    from compiled_autograd.replay.graph_task import in_graph_task
 
     task_id = torch._C._current_graph_task_id
     ids = [in_graph_task(task_id) for _ in range(3)]
@@ -572,7 +572,6 @@ def test_untested_torch_runs_every_backward_in_eager(monkeypatch):
     """NOTE [Torch versions]: on a torch release the suite has not run against, the helper does
     not load: every backward runs in eager, right, counted with the reason; fullgraph raises."""
     from compiled_autograd import native
-
     monkeypatch.delenv("COMPILED_AUTOGRAD_UNTESTED_TORCH", raising=False)
     assert native.version_problem("2.13.0+cpu") is None
     why = native.version_problem("2.11.0+cu130")
@@ -599,7 +598,6 @@ def test_untested_torch_runs_every_backward_in_eager(monkeypatch):
 
 def test_helper_that_fails_to_build_is_tried_once_and_every_backward_runs_in_eager(monkeypatch):
     from compiled_autograd import native
-
     tries = []
 
     def broken():

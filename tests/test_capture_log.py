@@ -3,8 +3,8 @@
 import torch
 
 import compiled_autograd as ca
-from compiled_autograd import runtime
-from compiled_autograd.runtime import capture_log
+from compiled_autograd.observe import captures
+from compiled_autograd.observe.captures import capture_log
 
 
 def _chain(n):
@@ -17,7 +17,7 @@ def _chain(n):
 
 
 def test_the_capture_log_keeps_the_newest_entries(monkeypatch):
-    monkeypatch.setattr(runtime, "MAX_CAPTURE_LOG", 4, raising=False)
+    monkeypatch.setattr(captures, "MAX_CAPTURE_LOG", 4, raising=False)
     for n in range(1, 7):  # six structures, six captures
         _chain(n)
     assert ca.stats().captures == 6
@@ -33,7 +33,7 @@ def test_the_capture_log_keeps_the_newest_entries(monkeypatch):
 def test_a_background_compile_updates_its_own_entry(monkeypatch):
     # a compile thread holds its entry, not a position in the log: the log may be trimmed
     # (here by the next capture) while it compiles
-    monkeypatch.setattr(runtime, "MAX_CAPTURE_LOG", 1, raising=False)
+    monkeypatch.setattr(captures, "MAX_CAPTURE_LOG", 1, raising=False)
     x = torch.randn(3, requires_grad=True)
     with ca.enable("aot_eager", background=True):
         x.sin().sum().backward()

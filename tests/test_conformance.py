@@ -1,6 +1,6 @@
 """Conformance with eager autograd over torch's OpInfo / ModuleInfo tables (CI-sized).
 
-The full run is `python -m compiled_autograd.conformance` (docs/conformance/). Here: every
+The full run is `python -m tools.conformance` (docs/conformance/). Here: every
 autograd op and every module of the tables, float32, the first two sample inputs, with the
 `eager` backend; a deterministic sample of ~20 ops with `aot_eager`; every 3rd op and module
 through `create_graph=True` and a backward through it; and every 4th op through
@@ -17,8 +17,7 @@ import warnings
 import pytest
 import torch
 
-from compiled_autograd import conformance as conf
-
+from tools import conformance as conf
 # first N sample inputs per op/module and dtype (the cheapest way to touch every entry)
 SAMPLES = 2
 

@@ -1,5 +1,5 @@
 """create_graph=True: compiled backwards whose gradients can be differentiated again
-(NOTE [create_graph] in create_graph.py). Each test runs two inputs through one
+(NOTE [create_graph] in capture/create_graph.py). Each test runs two inputs through one
 cache entry and compares every value, and whether it requires grad, with eager."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import compiled_autograd as ca
-from compiled_autograd import diskcache
+from compiled_autograd.cache import disk as diskcache
 from helpers import assert_grads_equal, grads_of
 
 
@@ -133,8 +133,7 @@ def test_a_vector_isa_probe_that_loaded_once_is_not_run_again(tmp_path, monkeypa
     # and CPU flags, in our cache directory; a failure is probed again
     from torch._inductor.cpu_vec_isa import VecISA
 
-    from compiled_autograd import backends
-
+    from compiled_autograd.compile import backends as backends
     monkeypatch.setenv("COMPILED_AUTOGRAD_CACHE_DIR", str(tmp_path / "cache"))
     calls = []
 

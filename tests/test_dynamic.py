@@ -183,7 +183,7 @@ def test_index_identities_dropped_only_where_provable():
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
-    from compiled_autograd.backends import _drop_range_identities
+    from compiled_autograd.compile.backends import _drop_range_identities
 
     env = ShapeEnv()
     b = env.create_symbol(5, LocalSource("b"))
@@ -239,7 +239,7 @@ def test_checkpointed_blocks_many_batch_sizes_two_captures(backend):
     report = ca.explain()
     # the first block's input needs no grad: its weight is not saved (3 * 5 - 1)
     assert "saved-tensor hooks: 14 tensors unpacked in the graph" in report
-    from compiled_autograd.runtime import capture_log
+    from compiled_autograd.observe.captures import capture_log
 
     assert "unpacked#0.shape[0]" in capture_log()[1]["dynamic"]  # their shapes are symbolic
 
@@ -289,7 +289,7 @@ class _ScaledByTensor(nn.Module):
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_lifted_scalar_tensors_keep_a_graph_dynamic(backend):
-    # NOTE [No item symbols for lifted scalars] (trace.py): they got `.item()` symbols, which
+    # NOTE [No item symbols for lifted scalars] (capture/trace.py): they got `.item()` symbols, which
     # AOTAutograd's float-tensorify pass answered by asking for a restart: every dynamic
     # capture failed (a new static capture per size, or an error with fullgraph=True)
     shapes = [(b, 16) for b in (3, 5, 7, 9)]

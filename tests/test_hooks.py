@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import compiled_autograd as ca
+from compiled_autograd.replay import calls as replay_calls
 from helpers import EXACT_BACKENDS, tolerance, assert_grads_equal, copies_in, grads_of, run_in_threads
 
 
@@ -811,7 +812,7 @@ def test_the_root_runs_its_tensor_hooks_when_it_leads_to_no_input(root):
 def test_hooks_run_in_eagers_order_under_inductor():
     # post-accumulate hooks on every parameter, no data between them: inductor ran a call
     # whose outputs were needed early before the one traced ahead of it (the ORDERED
-    # effect's dependency was lost: NOTE [Calls run in eager's order], backends.py)
+    # effect's dependency was lost: NOTE [Calls run in eager's order], compile/backends.py)
     def build(log, step):
         net = nn.Sequential(*[m for _ in range(2) for m in (nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8))])
         for name, p in net.named_parameters():
@@ -1135,8 +1136,8 @@ def test_a_leafs_tensor_hooks_and_its_accumulation_are_one_call(backend):
 
     observe(build, backend=backend, background=False)
     kinds = _slot_kinds()
-    assert kinds.count(ca.ops.HOOKED_ACCUMULATE) == 4, kinds
-    assert ca.ops.TENSOR_PRE_HOOKS not in kinds and ca.ops.ACCUMULATE not in kinds, kinds
+    assert kinds.count(replay_calls.HOOKED_ACCUMULATE) == 4, kinds
+    assert replay_calls.TENSOR_PRE_HOOKS not in kinds and replay_calls.ACCUMULATE not in kinds, kinds
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -1178,7 +1179,7 @@ def test_a_leaf_hooks_grad_is_stolen_or_copied_as_eager(backend):
         assert_grads_equal(got, want, what=f"step {step}", exact=backend in EXACT_BACKENDS)
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
-    assert _slot_kinds().count(ca.ops.HOOKED_ACCUMULATE) == 3
+    assert _slot_kinds().count(replay_calls.HOOKED_ACCUMULATE) == 3
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
@@ -1198,25 +1199,25 @@ def test_post_hooks_on_a_leafs_accumulate_grad_see_what_its_tensor_hooks_returne
         return h.pow(2).sum(), [w, v]
 
     observe(build, backend=backend)
-    assert _slot_kinds().count(ca.ops.HOOKED_ACCUMULATE) == 1  # v's; w's hooks stay apart
+    assert _slot_kinds().count(replay_calls.HOOKED_ACCUMULATE) == 1  # v's; w's hooks stay apart
 
 
 @contextlib.contextmanager
 def _python_calls():
     """The slots of the calls from compiled code that reach Python's _run_call (NOTE [Calls
     in the helper]: only unpack calls and calls off the fast path should)."""
-    native = ca.ops._native()
+    native = replay_calls._native()
     calls = []
 
     def counting(*args):
         calls.append(args[0])
-        return ca.ops._run_call(*args)
+        return replay_calls._run_call(*args)
 
-    ca.ops._install_calls(native, counting)
+    replay_calls._install_calls(native, counting)
     try:
         yield calls
     finally:
-        ca.ops._install_calls(native)
+        replay_calls._install_calls(native)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -1264,7 +1265,7 @@ def test_leaf_calls_run_in_the_helper_and_check_what_python_checks(backend):
             run(compiled, 2)
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 2, 0), s
-    assert sorted(_slot_kinds()) == [ca.ops.ACCUMULATE] * 2 + [ca.ops.HOOKED_ACCUMULATE]  # b, x2; W
+    assert sorted(_slot_kinds()) == [replay_calls.ACCUMULATE] * 2 + [replay_calls.HOOKED_ACCUMULATE]  # b, x2; W
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -1296,7 +1297,7 @@ def test_hook_and_node_calls_run_in_the_helper(backend):
         # of call outputs]); then a capture and a hit
         observe(build, backend=backend, background=False, opaque=("MulBackward0",), n_opaque=1, steps=3, learning=1)
     assert python_calls == [], python_calls
-    assert {ca.ops.TENSOR_PRE_HOOKS, ca.ops.NODE} <= set(_slot_kinds()), _slot_kinds()
+    assert {replay_calls.TENSOR_PRE_HOOKS, replay_calls.NODE} <= set(_slot_kinds()), _slot_kinds()
     # what `keep` returned and kept: the compiled graph read it and wrote nothing into it
     assert_grads_equal([kept[-1]], [kept[-2]], exact=backend in EXACT_BACKENDS)
 

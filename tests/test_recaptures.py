@@ -1,6 +1,6 @@
 """Backwards that must not be captured again: sizes kept on a custom Function's ctx (NOTE
 [Sizes kept on ctx]) and the Python state of nodes that run opaquely (NOTE [Opaque nodes keep
-their state out of the key]), both in collect.py."""
+their state out of the key]), both in walk/collect.py."""
 
 import functools
 
@@ -9,7 +9,7 @@ import torch
 import torch.utils.checkpoint as checkpoint
 
 import compiled_autograd as ca
-from compiled_autograd.collect import REENTRANT_CHECKPOINT
+from compiled_autograd.walk.collect import REENTRANT_CHECKPOINT
 
 
 class ScaleBySize(torch.autograd.Function):

@@ -6,9 +6,10 @@
 """
 
 from .api import backward, disable, enable, grad, reset, stats
-from .explain import dump, explain, graphs
-from .logs import configure_logging
-from .runtime import BackendOutputError, CompiledAutogradError, synchronize
+from .observe.explain import dump, explain, graphs
+from .observe.logs import configure_logging
+from .errors import BackendOutputError, CompiledAutogradError
+from .compile.background import synchronize
 
 configure_logging()
 

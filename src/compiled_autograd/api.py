@@ -21,11 +21,12 @@ import torch
 import torch.autograd
 
 from . import config as _config
-from .cache import CACHE
+from .cache.memory import CACHE
 from .config import BackendLike, Config
-from .runtime import reset_runtime, run_backward, synchronize
-from .trace import is_tracing
-from .stats import LOCK, STATS, Stats, reset_stats
+from .compile.background import synchronize
+from .runtime import reset_runtime, run_backward
+from .capture.tracing import is_tracing
+from .observe.stats import LOCK, STATS, Stats, reset_stats
 
 _eager_engine_run_backward = torch.autograd._engine_run_backward
 

@@ -1,6 +1,6 @@
 """Conformance runner: compiled backward vs eager autograd over torch's OpInfo and ModuleInfo tables.
 
-    python -m compiled_autograd.conformance [--backend eager|aot_eager] [--ops-only|--modules-only]
+    python -m tools.conformance [--backend eager|aot_eager] [--ops-only|--modules-only]
         [--filter SUBSTR] [--sample N] [--every K] [--dtypes float32,float64] [--disk-cache]
         [--out docs/conformance] [--stem NAME] [--render docs/conformance/conformance_eager.json.gz]
 
@@ -311,7 +311,7 @@ def _graph_nodes() -> list[str]:
 def _cached_pairs() -> list[tuple[Any, Any]]:
     """(cache key or None, entry) for every cached graph, oldest first."""
     try:
-        from .cache import CACHE
+        from compiled_autograd.cache.memory import CACHE
 
         if hasattr(CACHE, "items"):  # key -> family of entries
             return [(k, e) for k, fam in CACHE.items() for e in fam.entries()]
@@ -811,7 +811,7 @@ def run(
 ) -> Report:
     """Run the conformance cases and return the report (see the module docstring)."""
     t0 = time.perf_counter()
-    from . import native
+    from compiled_autograd import native
 
     native.load()  # fail fast (not once per case) when the helper cannot be built
     report = Report(
@@ -1154,7 +1154,7 @@ def write(report: Report, out_dir: str, stem: str | None = None) -> tuple[str, s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m compiled_autograd.conformance", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.conformance", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="eager", choices=("eager", "aot_eager", "inductor"))
     g = p.add_mutually_exclusive_group()
     g.add_argument("--ops-only", action="store_true")
@@ -1183,7 +1183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     args = list(sys.argv[1:] if argv is None else argv)
-    command = "python -m compiled_autograd.conformance" + "".join(f" {x}" for x in args)
+    command = "python -m tools.conformance" + "".join(f" {x}" for x in args)
     warnings.simplefilter("ignore")
     import logging
 

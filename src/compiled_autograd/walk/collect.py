@@ -78,10 +78,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .values import NodeKind, NodeRow
+from ..values import NodeKind, NodeRow
 
-from . import aot
-from .graph_task import in_graph_task
+from ..nodes import compiled_region as aot
+from ..replay.graph_task import in_graph_task
 
 PYNODE_KIND = NodeKind.PYNODE
 
@@ -146,6 +146,17 @@ class Collected:
         return [i for i in self.unpacked if i >= 0]
 
     @functools.cached_property
+    def tensor_positions(self) -> tuple:
+        """For each lifted tensor, where its geometry sits in `sizes`: (start, dim, strides
+        included); then comes its storage offset."""
+        out, pos = [], self.n_size_inputs
+        for t in self.lifted:
+            with_strides = not isinstance(layout_signature(t), str)
+            out.append((pos, t.dim(), with_strides))
+            pos += t.dim() * (2 if with_strides else 1) + 1
+        return tuple(out)
+
+    @functools.cached_property
     def nodes(self) -> tuple:
         """A NodeRow per node, in the engine's order."""
         return NodeRow.rows(self.capture)
@@ -202,7 +213,7 @@ class _Lifter:
     vector) as the native collector writes them (`tensor_key`, native helper)."""
 
     def __init__(self, lifted: list):
-        from . import native
+        from .. import native
 
         self._key = native.load().tensor_key
         self.lifted = lifted
@@ -868,7 +879,7 @@ def _collect_pynode(capture, idx: int, lift: _Lifter, keep_graph: bool) -> tuple
     info = PyNodeInfo(flags=flags, saved=(), attrs=())
     if flags[2]:
         # AOTAutograd's CompiledFunction is the one boxed Function we trace (NOTE [Inlining
-        # AOTAutograd backwards], aot.py); any other runs as is
+        # AOTAutograd backwards], nodes/compiled_region.py); any other runs as is
         why = aot.inline_reason(cls, node) if aot.is_compiled_function(cls) else "boxed_grads_call Function"
         if why is not None:
             info.opaque_reason = why
@@ -970,7 +981,7 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
             learned = (native_key, i, _hook_code(hook), _packed_meta(packed))
         if meta is not None and meta[3] is None:
             # a checkpoint's recomputed tensor: its layout is learned (NOTE [Layouts of call
-            # outputs], ops.py), from an eager backward when no backward showed it yet
+            # outputs], replay/calls.py), from an eager backward when no backward showed it yet
             order = LEARNED.order(learned)
             if order is None and not LEARNED.is_unpredictable(learned):
                 learn[i] = learned
@@ -1214,7 +1225,7 @@ class _Learned:
         """Remember what the hook returned; None if it cannot be predicted."""
         if key in self.unpredictable or type(t) is not torch.Tensor or t.layout != torch.strided:
             return None
-        from .ops import dense_order
+        from ..values import dense_order
 
         order = dense_order(t) or tuple(range(t.dim()))  # (not dense: copied into this at replay)
         meta = (tuple(t.shape), t.dtype, t.device, order)

@@ -21,8 +21,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import ops
-from .config import BackendLike
+from ..replay import calls as ops
+from ..config import BackendLike
+from ..values import BOXED
 
 _lock = threading.RLock()  # one of our compiles at a time (NOTE [One compile at a time])
 
@@ -161,7 +162,7 @@ _serialize_fx_traces()
 
 def may_steal(backend: BackendLike) -> bool:
     """Whether the code `backend` compiles leaves a grad handed to AccumulateGrad alone
-    (NOTE [Stealing a fresh grad] in ops.py): the eager graph and aot_eager run functional
+    (NOTE [Stealing a fresh grad] in replay/calls.py): the eager graph and aot_eager run functional
     aten ops; inductor, with our lowering of the call (below). A user's backend is unknown."""
     return isinstance(backend, str) and backend in ("eager", "aot_eager", "inductor")
 
@@ -219,7 +220,7 @@ def _register_inductor_lowering() -> None:
                     _never_reuse(operation.get_name())
         if flags & ops.HANDS_OVER:
             # the grad is the first argument (the others only order the call: NOTE
-            # [Hooks may change what the graph reads] in trace.py)
+            # [Hooks may change what the graph reads] in capture/trace.py)
             for operation in V.graph.operations[start:]:
                 if isinstance(operation, ir.FallbackKernel) and operation.inputs:
                     inp = operation.inputs[0]
@@ -282,7 +283,7 @@ def _remember_vec_isa_probes() -> None:
 
 
 def _probes_path():
-    from . import native
+    from .. import native
 
     return native.cache_root() / "vec_isa_probes.json"
 
@@ -474,7 +475,7 @@ def compile_graph(
 ) -> Callable:
     # Compile as an inference graph: the compiled graph is never differentiated
     # itself (under create_graph=True the traced FX graph is: NOTE [create_graph]
-    # in create_graph.py). One compile at a time: inductor
+    # in capture/create_graph.py). One compile at a time: inductor
     # is not thread-safe, and background compiles run in threads. `patches`:
     # inductor config (enable(mode=..., options=...)), set for this compile only.
     with _lock, torch.no_grad():
@@ -514,17 +515,6 @@ def compile_graph(
                 finally:
                     _inductor_compile.ours = False
         return backend(gm, list(example_inputs))
-
-
-# NOTE [Boxed graphs free their inputs]
-# AOTAutograd's usual entry point is `forward(*args)`: the argument tuple keeps
-# every input alive until the graph returns, so the saved activations of the
-# whole backward are alive at once. For a module wrapped in dynamo's GmWrapper
-# (how torch compiles graphs with list inputs, its own compiled autograd
-# included) it returns `forward(args: list)`, which empties the list; the
-# compiled code then drops each input after its last use, and the backward's
-# memory falls as it runs, like eager's. Callables marked BOXED take the list.
-BOXED = "_compiled_autograd_boxed"
 
 
 def _boxed_graph_module(gm: torch.fx.GraphModule) -> Callable:
@@ -691,8 +681,10 @@ def _code_digest() -> str:
     from pathlib import Path
 
     h = hashlib.sha256()
-    for name in ("backends.py", "ops.py"):
-        h.update((Path(__file__).with_name(name)).read_bytes())
+    package = Path(__file__).resolve().parents[1]
+    for name in ("compile", "replay"):
+        for f in sorted((package / name).glob("*.py")):
+            h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -756,7 +748,7 @@ def static_fakes(values):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from .trace import fakeable
+    from ..capture.trace import fakeable
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
     return mode, [mode.from_tensor(fakeable(t), static_shapes=True) if isinstance(t, torch.Tensor) else t for t in values]

@@ -49,6 +49,7 @@ graph is the traced one (`tests/test_diskcache.py` compares their code).
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import hmac
 import io
@@ -64,7 +65,7 @@ from pathlib import Path
 
 import torch
 
-from . import native
+from .. import native
 
 log = logging.getLogger("compiled_autograd")
 
@@ -186,13 +187,14 @@ def _secret() -> bytes | None:
         return None
 
 
+@functools.lru_cache(maxsize=None)
 def _version() -> bytes:
     h = hashlib.sha256()
     h.update(torch.__version__.encode())
     h.update(native._SOURCE.read_bytes())
-    # the code that writes a graph and its plan, and the code that reads and runs them
-    for name in ("trace.py", "collect.py", "ops.py", "runtime.py", "backends.py"):
-        h.update((Path(__file__).parent / name).read_bytes())
+    # the code that writes a graph and its plan, and the code that reads and runs them: all of it
+    for f in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
+        h.update(f.read_bytes())
     h.update(str(FORMAT).encode())
     return h.digest()
 
@@ -315,7 +317,7 @@ def _load(pkey: bytes) -> dict | None:
         log.warning("ignoring %s: not written by this user's compiled_autograd", path)
         return None
     try:
-        from . import ops  # noqa: F401  (the graph calls compiled_autograd::call)
+        from ..replay import calls as ops  # noqa: F401  (the graph calls compiled_autograd::call)
 
         record = pickle.loads(data)
     except Exception:

@@ -53,81 +53,15 @@ from torch.fx.experimental.symbolic_shapes import (
     StatelessSymbolicContext,
 )
 
-from . import aot, ops
-from .values import NodeKind
-from .collect import PYNODE_KIND, Collected, _tensors, fill_sizes, kept_indices, state_reads, swapped, user_backward
+from ..nodes import compiled_region as aot
+
+from ..replay import calls as ops
+from ..values import NodeKind, Plan, Slot
+from .tracing import _tracing, is_tracing
+from ..walk.collect import PYNODE_KIND, Collected, _tensors, fill_sizes, kept_indices, state_reads, swapped, user_backward
 
 ACCUMULATE_KIND = NodeKind.ACCUMULATE
 MAX_OPAQUE_RETRIES = 16  # traces of one backward, each making one more node opaque
-
-
-class Slot(NamedTuple):
-    """One opaque call of a graph (NOTE [Opaque calls], ops.py)."""
-
-    kind: str
-    node: int  # index of the node (or hooked saved tensor, for UNPACK)
-    mask: tuple  # per output: whether the graph was traced with it defined
-    in_flags: bool  # its last argument says which arguments are defined
-    # an ACCUMULATE call's grad is memory the graph made (NOTE [Stealing a fresh grad], ops.py)
-    fresh: bool = False
-    # how many of its last arguments only order it (NOTE [Hooks may change what the graph reads])
-    n_after: int = 0
-    # the arguments something else in the graph reads too: a hook must not change them in place
-    shared: tuple = ()
-    # how many of its last arguments are saved tensors read after it, whose versions it checks
-    # (NOTE [Hooks may change what the graph reads]); Plan.watch has their lifted indices
-    n_watch: int = 0
-    # the node in whose step the call runs (an UNPACK call's: the node that unpacks)
-    at: int = -1
-
-    @property
-    def completes_node(self) -> bool:
-        """Whether eager has applied (and, without retain_graph, released) node `at` when this
-        call runs: its post hooks run after the node (NOTE [A backward that raised part way])."""
-        return self.kind == ops.POST_HOOKS
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How to run and apply one captured graph (part of its cache entry)."""
-
-    slots: tuple  # a Slot per opaque call
-    accumulate: tuple  # (node index, result index, flag result index or -1), applied after the graph
-    captured: tuple  # (result index or -1, flag result index or -1) per grad() input
-    opaque: tuple  # (node index, node name, reason)
-    num_results: int
-    # create_graph=True: per graph result, whether eager's would require grad (NOTE [create_graph])
-    differentiable: tuple | None = None
-    # NOTE [Saved tensors freed as eager frees them]: eager frees a node's saved tensors
-    # right after it runs. A hit hands them to a boxed graph, which frees each at its last
-    # use, once the nodes' saved variables let go of them too. A call that may read saved
-    # tensors -- an opaque node its own, a hook on a node that has any (`grad_fn._saved_*`,
-    # `ctx.saved_tensors`) that node's and those of the nodes eager runs after it -- needs
-    # them held until it ran. So a node's saved variables are freed right after the last
-    # such call eager runs at or before that node, or before the graph when there is none:
-    # (slot, node indices) per call, in `releases` (slot -1: before the graph; no entry at
-    # all: every node's before the graph). AccumulateGrad, hooks on it (a leaf's
-    # tensor hooks, DDP's), modules' full backward hooks (on BackwardHookFunction, which
-    # saves nothing) and unpack hooks are taken to read none. With a tensor hook on every activation, each
-    # layer's activations then live one layer longer than in eager, not to the graph's end
-    releases: tuple = ()
-    # (slot, lifted indices) per call that checks saved tensors read after it
-    watch: tuple = ()
-    # (slot, node indices) per call after which the ctx attributes of those custom Function
-    # nodes (traced, so read when the backward started) are checked: a hook may rebind one
-    ctx_checks: tuple = ()
-
-    @functools.cached_property
-    def release_after(self) -> dict | None:
-        """`releases` by slot, without the nodes freed before the graph."""
-        return {slot: idxs for slot, idxs in self.releases if slot >= 0} or None
-
-    @functools.cached_property
-    def steals(self) -> bool:
-        """Whether an ACCUMULATE call may hand AccumulateGrad the graph's own buffer
-        (NOTE [Stealing a fresh grad], ops.py)."""
-        return any(slot.kind in ops.ACCUMULATES and slot.fresh for slot in self.slots)
-
 
 
 class NeedsOpaque(Exception):
@@ -135,17 +69,6 @@ class NeedsOpaque(Exception):
         super().__init__(reason)
         self.idx = idx
         self.reason = reason
-
-
-class _Tracing(threading.local):
-    active = False
-
-
-_tracing = _Tracing()
-
-
-def is_tracing() -> bool:
-    return _tracing.active
 
 
 class _Value:
@@ -294,7 +217,7 @@ class _BackwardTracer:
 
     def _layout(self, slot, k, meta) -> ops.OutputMeta:
         """Output k of call `slot` as the trace predicts it (NOTE [Layouts of call outputs],
-        ops.py): in the layout it had at run time when that differed from the prediction
+        replay/calls.py): in the layout it had at run time when that differed from the prediction
         before (`layouts`), else as given: an OutputMeta, or (shape, dtype, device), contiguous."""
         if not isinstance(meta, ops.OutputMeta):
             shape, dtype, device = meta
@@ -416,7 +339,7 @@ class _BackwardTracer:
             if not node.execute:
                 continue
             # a leaf's tensor hooks and its accumulation: one call (NOTE [A leaf's hooks and
-            # its accumulation in one call], ops.py), where its grad is always defined
+            # its accumulation in one call], replay/calls.py), where its grad is always defined
             hooked = None
             # (not with post hooks on the node: they get the grads the tensor hooks returned)
             if kind == ACCUMULATE_KIND and self.in_graph_accumulate and (hooks.tensor_pre or hooks.retains) and not hooks.pre and not hooks.post:
@@ -513,7 +436,7 @@ class _BackwardTracer:
             md = self.capture.input_metadata(to)[nr] if to >= 0 else None
             if md is not None:
                 # the output's shape, symbolic where the edge's metadata sizes are; laid out
-                # as an eager backward showed (NOTE [Layouts of call outputs], ops.py)
+                # as an eager backward showed (NOTE [Layouts of call outputs], replay/calls.py)
                 shape, dtype, device = md
                 dims = [v if self.sym_sizes[pos + d] is None else self.sym_sizes[pos + d] for d, v in enumerate(shape)]
                 m = self._seen_layout(ops.OutputMeta.dense(dims, dtype, torch.device(device)), self.layouts.get(("node", idx, k)))
@@ -560,7 +483,7 @@ class _BackwardTracer:
         return self._pynode_results(idx, out, is_variable_input)
 
     def _aot_backward(self, idx, node, grads, args):
-        """NOTE [Inlining AOTAutograd backwards] (aot.py)."""
+        """NOTE [Inlining AOTAutograd backwards] (nodes/compiled_region.py)."""
         if torch.is_grad_enabled():
             raise NeedsOpaque(idx, "a torch.compile'd region's backward under create_graph (AOTAutograd has no double backward)")
         info = self.c.pynodes[idx]
@@ -579,11 +502,11 @@ class _BackwardTracer:
         capture_swap = None
         originals = {}
         try:
-            from . import native
+            from .. import native
 
             capture_swap = native.load().PyNodeSavedSwap(node, [args[i] if i >= 0 else None for i in info.saved])
             kept = [args[i] for i in info.saved if i >= 0] + [args[i] for _, _, i in info.read]
-            ints = iter(self.aot_ints[info.aot_start :])  # NOTE [Sizes kept on ctx] (collect.py)
+            ints = iter(self.aot_ints[info.aot_start :])  # NOTE [Sizes kept on ctx] (walk/collect.py)
             for name, value in info.attrs:
                 originals[name] = vars(node)[name]
                 rebuilt = _rebuild(fill_sizes(value, ints), self.c, args)
@@ -697,19 +620,6 @@ class Captured:
     shape_env: ShapeEnv
 
 
-def tensor_positions(collected: Collected) -> list[tuple[int, int, bool]]:
-    """For each lifted tensor, where its geometry sits in the sizes vector:
-    (start, dim, strides included); then come the storage offset."""
-    from .collect import layout_signature
-
-    out, pos = [], collected.n_size_inputs
-    for t in collected.lifted:
-        with_strides = not isinstance(layout_signature(t), str)
-        out.append((pos, t.dim(), with_strides))
-        pos += t.dim() * (2 if with_strides else 1) + 1
-    return out
-
-
 class _SizeEnv(ShapeEnv):
     """The ShapeEnv of a dynamic capture: it decides, per size position, what
     each size, stride and storage offset of the lifted tensors becomes.
@@ -761,7 +671,7 @@ def _size_classes(collected: Collected, mask, history) -> dict[str, Any]:
     `history` (the sizes of earlier backwards of the key)."""
     sizes = collected.sizes
     names = [LocalSource(f"size{j}").name for j in range(collected.n_size_inputs)]
-    for i, (start, dim, with_strides) in enumerate(tensor_positions(collected)):
+    for i, (start, dim, with_strides) in enumerate(collected.tensor_positions):
         base = LocalSource(f"lifted{i}")
         names += [TensorPropertySource(base, TensorProperty.SIZE, d).name for d in range(dim)]
         if with_strides:
@@ -827,7 +737,7 @@ def fake_inputs(collected: Collected, mask, history=()):
     sizes, n_si = collected.sizes, collected.n_size_inputs
     real_mask = [False] * len(sizes)
     fakes = []
-    for i, (t, (start, dim, with_strides)) in enumerate(zip(collected.lifted, tensor_positions(collected))):
+    for i, (t, (start, dim, with_strides)) in enumerate(zip(collected.lifted, collected.tensor_positions)):
         # with a mask every dim asks the env, which answers per position; so
         # do recorded strides (torch would otherwise infer a stride from any
         # size product of equal value, a coincidence of this one backward)
@@ -964,7 +874,7 @@ def _mark_fresh_grads(gm: torch.fx.GraphModule, slots: list) -> tuple:
     (`_read_only_here`). In the plan (the slot's `fresh`) and in
     the graph (the call's flags get ops.HANDS_OVER: inductor's lowering of the call then
     keeps that buffer from reuse). NOTE
-    [Stealing a fresh grad], ops.py."""
+    [Stealing a fresh grad], replay/calls.py."""
     slots = list(slots)
     marked = False
     for n in gm.graph.nodes:
@@ -1042,7 +952,7 @@ def _order_reads_before_calls(
     not hooks and pass nothing. (A saved tensor changed through `.data`, which bumps no
     version, may still be read before the hook by inductor.)
     Returns the slots and Plan.watch."""
-    from .create_graph import _aliases
+    from ..capture.create_graph import _aliases
 
     call = torch.ops.compiled_autograd.call.default
     slots = list(slots)
@@ -1163,7 +1073,7 @@ def _read_only_here(grad: torch.fx.Node, inputs_ok: bool = False) -> bool:
     hook may change `.grad` in place, which must not change what the graph computes
     afterwards; eager's AccumulateGrad copies a grad its engine still holds for another
     node (AddBackward gives both its edges one tensor)."""
-    from .create_graph import _aliases
+    from ..capture.create_graph import _aliases
 
     n = grad
     while True:

@@ -58,14 +58,14 @@ def timed_backward(loss, compiled, backend):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m compiled_autograd demo", description=__doc__)
+    p = argparse.ArgumentParser(prog="python examples/demo.py", description=__doc__)
     p.add_argument("--backend", default="inductor", help="eager | aot_eager | inductor (default)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
     args = p.parse_args(argv)
 
-    from . import native
+    from compiled_autograd import native
 
     native.load()  # build (first use) or load the C++ helper before timing anything
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """Cache: graph key -> compiled backwards of that structure.
 
-A backward is identified by `(key, sizes)` (collect.py). All compiled graphs
+A backward is identified by `(key, sizes)` (walk/collect.py). All compiled graphs
 with the same key form a `Family`:
   * static entries, looked up by the exact sizes tuple;
   * dynamic entries: some size positions are symbolic; the entry matches when
@@ -19,8 +19,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from .backends import BOXED
-from .trace import Plan
+from ..values import BOXED, Plan
 
 
 @dataclass(frozen=True)
@@ -68,12 +67,12 @@ class CompiledBackward:
     nodes: tuple = ()  # (name, kind, hooks, opaque reason, edges) per node, for dump()
     node_keys: tuple = ()  # each node's bytes of the key, then the tensor metadata, for explain()
     # create_graph=True: the vjp graph of `graph`, which then returns its results and what the vjp
-    # reads (NOTE [create_graph] in create_graph.py)
+    # reads (NOTE [create_graph] in capture/create_graph.py)
     vjp: Any = None  # create_graph.Vjp
     # in-graph AccumulateGrad may steal a fresh grad from this backend's code (NOTE
-    # [Stealing a fresh grad] in ops.py)
+    # [Stealing a fresh grad] in replay/calls.py)
     steals: bool = False
-    # NOTE [A compiled graph's outputs are checked on its first run] (validate.py): what the
+    # NOTE [A compiled graph's outputs are checked on its first run] (replay/validate.py): what the
     # traced graph returns (validate.Expected, or None: not checked), and whether this
     # entry's fn has run once and passed (not copied by dataclasses.replace: a background
     # compile's entry is checked again)

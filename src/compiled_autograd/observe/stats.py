@@ -26,7 +26,7 @@ class Stats:
     compiles_pending: background compiles still running (see `synchronize()`)
     compile_failures: background compiles that failed (the traced graph stays in use)
     layout_copies:   outputs of hooks, opaque nodes and unpack hooks copied into the layout
-                     the graph was traced with (NOTE [Layouts of call outputs] in ops.py)
+                     the graph was traced with (NOTE [Layouts of call outputs] in replay/calls.py)
     """
 
     captures: int = 0

@@ -31,7 +31,7 @@ always dense (a permutation of a contiguous tensor: a copy into it is exact):
   * an unpack hook's: `save_on_cpu` unpacks its contiguous copy; what a checkpoint
     recomputes, or another hook returns, is learned from an eager backward of the
     graph, as its shape is (NOTE [Unpack metadata learned from the last backward],
-    collect.py), and kept per graph position for other sizes;
+    walk/collect.py), and kept per graph position for other sizes;
   * an opaque node's: contiguous.
 At replay, an output in another layout is copied into the traced one
 (`stats().layout_copies`), and the dense layout it had is remembered for its
@@ -68,81 +68,35 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-# dtype <-> small int, for the operator schema
-_DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-    torch.float8_e4m3fn, torch.float8_e5m2, torch.complex32,
-]
-_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
-_DEVICE_TYPES = ["cpu", "cuda", "mps", "xpu", "meta", "hpu", "privateuseone"]
-
-
-def device_code(device) -> int:
-    d = torch.device(device)
-    return _DEVICE_TYPES.index(d.type) * 1024 + (0 if d.index is None else d.index + 1)
-
-
-@functools.lru_cache(maxsize=None)
-def _device(code: int) -> torch.device:
-    kind, index = divmod(code, 1024)
-    return torch.device(_DEVICE_TYPES[kind]) if index == 0 else torch.device(_DEVICE_TYPES[kind], index - 1)
-
-
-
-class CallArgs(NamedTuple):
-    """The arguments of one `compiled_autograd::call` (NOTE [Opaque calls]), by name.
-
-    args:  the tensors the call runs on; then, in this order, what the trace appended:
-           with `Slot.in_flags`, which of them are defined (a bool tensor); `Slot.n_after`
-           values only there to order the call; `Slot.n_watch` saved tensors it checks;
-           `flags >> PASSES_SHIFT` graph inputs it returns as its last outputs
-    meta:  its outputs as traced (`encode_meta` of OutputMetas)
-    flags: the bits below"""
-
-    slot: int
-    args: list
-    meta: list
-    flags: int
-
-    @staticmethod
-    def of(node) -> "CallArgs":
-        return CallArgs(*node.args)
-
-    @property
-    def n_outputs(self) -> int:
-        return len(decode_meta(self.meta))
-
-
-# the bits of a call's `flags` argument (they are in the graph's code, so a change of what
-# our inductor lowering does with a bit is a new bit: no compiled artifact from before matches)
-DEFINEDNESS = 1  # the call also returns which of its outputs are defined
-KEEPS_INPUTS = 2  # an output may be one of its unshared inputs: their buffers are never reused
-# set on every call: our inductor lowering frees the buffers it keeps from reuse at their last
-# use (NOTE [Freed, never reused], backends.py); code compiled before that had no such bit
-FREED_NOT_REUSED = 16
-# set on every call: inductor's code calls it directly, not through the dispatcher
-# (backends._register_inductor_lowering); code compiled before calls the op
-DIRECT = 32
-# an ACCUMULATE call whose grad AccumulateGrad may take as `.grad` (NOTE [Stealing a fresh
-# grad]): inductor's lowering keeps its buffer from reuse (backends.py)
-HANDS_OVER = 64
-# flags >> PASSES_SHIFT: how many of its last arguments the call also returns, as its last
-# outputs (graph inputs read after it: NOTE [Hooks may change what the graph reads], trace.py)
-PASSES_SHIFT = 8
-
-# slot kinds
-TENSOR_PRE_HOOKS = "tensor_pre_hooks"
-PRE_HOOKS = "pre_hooks"
-POST_HOOKS = "post_hooks"
-NODE = "node"
-ACCUMULATE = "accumulate"
-UNPACK = "unpack"  # a saved tensor's unpack hook (collect.py, NOTE [Unpacking in the graph])
-# a leaf's tensor hooks and its AccumulateGrad (NOTE [A leaf's hooks and its accumulation in one call])
-HOOKED_ACCUMULATE = "tensor_hooks_and_accumulate"
-ACCUMULATES = (ACCUMULATE, HOOKED_ACCUMULATE)  # the calls that hand a grad to AccumulateGrad
-# where in its node's steps a call runs (GraphCapture.hooks_added)
-_STAGE = {TENSOR_PRE_HOOKS: 0, PRE_HOOKS: 1, NODE: 2, POST_HOOKS: 2, ACCUMULATE: 2, HOOKED_ACCUMULATE: 0}
+from ..values import (  # the call protocol; re-exported for the graphs' code and the native helper
+    _DTYPES,
+    _DTYPE_CODE,
+    _DEVICE_TYPES,
+    device_code,
+    _device,
+    CallArgs,
+    DEFINEDNESS,
+    KEEPS_INPUTS,
+    FREED_NOT_REUSED,
+    DIRECT,
+    HANDS_OVER,
+    PASSES_SHIFT,
+    TENSOR_PRE_HOOKS,
+    PRE_HOOKS,
+    POST_HOOKS,
+    NODE,
+    ACCUMULATE,
+    UNPACK,
+    HOOKED_ACCUMULATE,
+    ACCUMULATES,
+    _STAGE,
+    OutputMeta,
+    observed_layout,
+    dim_order,
+    dense_order,
+    encode_meta,
+    decode_meta,
+)
 
 
 class _Replay(threading.local):
@@ -331,7 +285,7 @@ def _check_ctx(snapshots) -> None:
     (`grad_fn.W = new`), or a global or closure value its backward reads: eager's backward
     reads the new value, the traced one read the old (a tensor lifted, a number keyed) when
     the backward started."""
-    from .collect import read_state
+    from ..walk.collect import read_state
 
     for obj, items, state in snapshots:
         now = vars(obj)
@@ -362,7 +316,7 @@ def _check_versions(tensors, expected) -> None:
 
 def _run_slot(capture, slot, kind, node, mask, args, meta, flags, hooks, shared=None, observed=None):
     if kind == UNPACK:
-        from .collect import unpack
+        from ..walk.collect import unpack
 
         pair, hooks[node] = hooks[node], None  # unpacked once, as eager does: the packed value can go
         if pair is None:
@@ -372,7 +326,7 @@ def _run_slot(capture, slot, kind, node, mask, args, meta, flags, hooks, shared=
         outs = [unpack(hook, packed)]
         del hook, packed
         if learned is not None:
-            from .collect import LEARNED
+            from ..walk.collect import LEARNED
 
             expected = decode_meta(meta)[0]
             LEARNED.check(learned, outs[0], expected.shape, expected.dtype, expected.device)
@@ -397,7 +351,7 @@ def input_storages(args):
     graph's run (a boxed graph frees inputs as it goes; a new grad may get a freed input's
     memory, never its StorageImpl). `t in storages`; `storages.add(t)`: never steal t's
     memory (a hook kept a reference to it)."""
-    from . import native
+    from .. import native
 
     return native.load().StorageSet([t for t in args if isinstance(t, torch.Tensor)])
 
@@ -491,7 +445,7 @@ def _call_at_autograd(slot, args, meta, flags):
 def call_direct(slot, args, meta, flags):
     """The call without the dispatcher (its boxing of the arguments costs ~10 us), for the
     graphs that run as Python code we generate (the eager backend, aot_eager's graph:
-    backends.py): the same kernel, where the dispatcher would run it directly."""
+    compile/backends.py): the same kernel, where the dispatcher would run it directly."""
     if _fast_path():
         return _run_call(slot, args, meta, flags)
     return _op(slot, args, meta, flags)
@@ -528,7 +482,7 @@ def _native():
     """The native helper, with its direct call installed (NOTE [Calls in the helper])."""
     global _native_module, direct
     if _native_module is None:
-        from . import native
+        from .. import native
 
         mod = native.load()
         _install_calls(mod)
@@ -604,107 +558,6 @@ def _register_effect():
 _register_effect()
 # graph passes that only know FX's own notion of purity must not drop it either
 torch.fx.node.has_side_effect(torch.ops.compiled_autograd.call.default)
-
-
-class OutputMeta(NamedTuple):
-    """One output of a call as the graph was traced with it (NOTE [Layouts of call outputs]):
-    strided and dense, its strides those of `torch.empty_permuted(shape, order)` for some dim
-    order; or sparse COO (strides unused)."""
-
-    shape: Sequence  # ints, or SymInts in a dynamic graph
-    dtype: torch.dtype
-    device: torch.device
-    strides: Sequence
-    layout: torch.layout = torch.strided
-
-    def empty(self) -> torch.Tensor:
-        if self.layout != torch.strided:
-            return torch.empty(self.shape, dtype=self.dtype, device=self.device, layout=self.layout)
-        return torch.empty_strided(self.shape, self.strides, dtype=self.dtype, device=self.device)
-
-    def has_layout(self, t: torch.Tensor) -> bool:
-        """Whether t is laid out as this says (strides where they matter: dims longer than 1)."""
-        if t.layout != self.layout:
-            return False
-        if t.layout != torch.strided or t.numel() == 0:
-            return True
-        return all(n <= 1 or a == b for n, a, b in zip(self.shape, t.stride(), self.strides))
-
-    def conformed(self, t: torch.Tensor) -> torch.Tensor:
-        """t's values in this layout (a copy)."""
-        if self.layout != torch.strided:
-            return t.to_sparse() if t.layout == torch.strided else t.to_dense().to_sparse()
-        if t.layout != torch.strided:
-            t = t.to_dense()
-        return self.empty().copy_(t)
-
-    @staticmethod
-    def dense(shape, dtype, device, order: Sequence | None = None) -> "OutputMeta":
-        """The layout `torch.empty_permuted(shape, order)` has (contiguous: order None)."""
-        order = range(len(shape)) if order is None else order
-        strides, step = [0] * len(shape), 1
-        for d in reversed(tuple(order)):
-            strides[d] = step
-            step = step * shape[d]
-        return OutputMeta(list(shape), dtype, device, strides)
-
-    @staticmethod
-    def like(t: torch.Tensor) -> "OutputMeta":
-        """As `empty_like(t)` lays out its result."""
-        if t.layout == torch.sparse_coo:
-            return OutputMeta(list(t.shape), t.dtype, t.device, [0] * t.dim(), torch.sparse_coo)
-        return OutputMeta.dense(t.shape, t.dtype, t.device, dim_order(t))
-
-
-def observed_layout(t: torch.Tensor):
-    """How a call output that came in another layout than traced was laid out, for the next
-    capture (NOTE [Layouts of call outputs]): its dim order if dense, "sparse_coo", or None
-    (nothing the trace can predict: it is copied each time)."""
-    if t.layout == torch.sparse_coo:
-        return "sparse_coo"
-    if t.layout != torch.strided:
-        return None
-    return dense_order(t)
-
-
-def dim_order(t: torch.Tensor) -> tuple:
-    """The dims of t from outermost to innermost in memory, as `empty_like` lays out its
-    result (guard-free on symbolic sizes); t has that layout iff it is dense."""
-    if t.dim() <= 1:
-        return tuple(range(t.dim()))
-    from torch._prims_common import compute_elementwise_output_logical_to_physical_perm
-
-    perm, _ = compute_elementwise_output_logical_to_physical_perm(t)
-    return tuple(perm)
-
-
-def dense_order(t: torch.Tensor) -> tuple | None:
-    """t's dim order if t is dense in it (a permutation of a contiguous tensor), else None."""
-    order = dim_order(t)
-    return order if OutputMeta.dense(t.shape, t.dtype, t.device, order).has_layout(t) else None
-
-
-_LAYOUTS = [torch.strided, torch.sparse_coo]
-
-
-def encode_meta(metas: Sequence[OutputMeta]) -> list:
-    """The call's `meta` argument: per output, rank, dtype code, device code, layout code,
-    shape, strides (the one encoding: the native helper's `decode_meta` reads the same)."""
-    out: list = []
-    for m in metas:
-        out += [len(m.shape), _DTYPE_CODE[m.dtype], device_code(m.device), _LAYOUTS.index(m.layout), *m.shape, *m.strides]
-    return out
-
-
-def decode_meta(meta: Sequence) -> list[OutputMeta]:
-    out, pos = [], 0
-    while pos < len(meta):
-        rank, dtype, device, layout = (int(v) for v in meta[pos : pos + 4])
-        pos += 4
-        shape, strides = list(meta[pos : pos + rank]), list(meta[pos + rank : pos + 2 * rank])
-        out.append(OutputMeta(shape, _DTYPES[dtype], _device(device), strides, _LAYOUTS[layout]))
-        pos += 2 * rank
-    return out
 
 
 def _conform(kind, capture, node, mask, outs, keep, metas, flags, slot=None, observed=None):

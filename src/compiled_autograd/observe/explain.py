@@ -8,10 +8,10 @@ import os
 import threading
 import time
 
-from .cache import CACHE
-from .runtime import capture_log
-from .stats import LOCK, STATS
-from .values import NodeKind
+from ..cache.memory import CACHE
+from .captures import capture_log
+from ..observe.stats import LOCK, STATS
+from ..values import NodeKind
 
 
 def explain() -> str:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import BackendOutputError
+
 
 @dataclass(frozen=True)
 class Expected:
@@ -67,10 +69,8 @@ def expected_outputs(gm: torch.fx.GraphModule, collected=None, size_inputs=()) -
 def _binding(gm, collected, size_inputs) -> tuple:
     import sympy
 
-    from .trace import tensor_positions
-
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    positions = tensor_positions(collected)
+    positions = collected.tensor_positions
     if len(placeholders) != len(positions) + len(size_inputs):
         return ()
     bind = {}
@@ -131,3 +131,13 @@ def _evaluate(expr, env):
         return int(v) if v.is_Integer else None
     except Exception:
         return None
+
+
+def backend_output_error(entry, problems: list[str]) -> BackendOutputError:
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    return BackendOutputError(
+        f"compiled_autograd: the backward graph compiled by backend {entry.backend!r} returned outputs "
+        f"that differ from the traced graph's: {'; '.join(problems[:3])}{more}. No gradient was "
+        "applied, and the graph was dropped from the cache: the next backward of this structure "
+        "captures and compiles it again."
+    )

@@ -1,0 +1,202 @@
+"""A miss: capture the backward (or load it from the disk cache) and compile it into a
+CompiledBackward."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ..cache.memory import CompiledBackward, Dynamic
+from ..compile.background import compile_in_background
+from ..compile import backends
+from ..compile.backends import may_steal, static_fakes
+from ..config import Config
+from ..errors import Fallback
+from ..observe.captures import describe_dynamic, log_capture, node_keys
+from ..observe.logs import compile_status
+from ..observe.stats import LOCK, STATS
+from ..replay.graph_task import in_graph_task
+from ..replay.validate import expected_outputs
+from ..values import NodeSummary
+from .create_graph import split_joint
+from .trace import NotTwiceDifferentiable, capture_backward, guards_of
+
+log = logging.getLogger("compiled_autograd")
+
+
+def create_graph_unsupported(collected) -> str | None:
+    """Why this backward cannot run compiled with create_graph=True (NOTE [create_graph])."""
+    if collected.unpacked:
+        return "create_graph=True with saved-tensor hooks"
+    for n in collected.nodes:
+        if n.hooks.any:
+            return "create_graph=True with hooks"
+        if n.opaque:
+            return "create_graph=True with an opaque node"
+    if any(info.opaque_reason for info in collected.pynodes.values()):
+        return "create_graph=True with an opaque node"
+    return None
+
+
+def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=(), create_graph=False, layouts=None) -> CompiledBackward:
+    t0 = time.perf_counter()
+    try:
+        captured = in_graph_task(lambda: capture_backward(collected, cfg.opaque, mask, history, create_graph, layouts))
+    except NotTwiceDifferentiable as e:
+        raise Fallback(f"create_graph=True through a node eager cannot differentiate twice ({e})") from e
+    if create_graph and captured.plan.slots:
+        raise Fallback("create_graph=True with an opaque node")
+    vjp, how = None, None
+    if create_graph:
+        how = "no result requires grad: applied in grad mode, nothing to differentiate"
+    if create_graph and any(captured.plan.differentiable):
+        try:
+            split = in_graph_task(lambda: split_joint(captured.graph, captured.example_inputs, captured.plan.differentiable))
+        except Exception:  # the second order then reruns the graph: slower, as right
+            log.info("could not split a create_graph graph into forward and vjp", exc_info=True)
+            split = None
+        how = "the second order reruns this graph in grad mode (not split)"
+        if split is not None:
+            captured.graph, vjp, n_saved = split
+            how = (f"{sum(captured.plan.differentiable)} differentiable results; the graph also returns {n_saved} "
+                   f"tensors its vjp graph reads (the second order recomputes nothing)")
+    t1 = time.perf_counter()
+    names = tuple(n.name for n in collected.nodes)
+    is_dynamic = captured.mask is not None and any(captured.mask)
+    what = f"compiling a {'dynamic ' if is_dynamic else ''}backward graph of {len(names)} nodes with {cfg.backend_name}"
+    # (read before the backend sees the graph: it may rewrite it)
+    expected = expected_outputs(captured.graph, *((collected, captured.size_inputs) if is_dynamic else ()))
+    background = cfg.background_compile and not cfg.fullgraph
+    if background:
+        fn = captured.graph  # replay the traced graph as is until the compiled one is ready
+    else:
+        with compile_status(what):
+            fn = backends.compile_graph(cfg.backend, captured.graph, _example_inputs(captured, collected), dynamic=is_dynamic, patches=cfg.inductor_patches)
+    t2 = time.perf_counter()
+    nodes = tuple(NodeSummary(n.name, n.kind, n.hooks, opaque_reason_of(captured.plan, i), n.edges) for i, n in enumerate(collected.nodes))
+    entry = CompiledBackward(
+        fn=fn,
+        graph=captured.graph,
+        plan=captured.plan,
+        backend=cfg.backend_name,
+        steals=may_steal(cfg.backend),
+        node_names=names,
+        num_inputs=len(collected.lifted),
+        reason=reason,
+        trace_seconds=t1 - t0,
+        compile_seconds=t2 - t1,
+        sizes=collected.sizes,
+        dynamic=dynamic_of(captured, collected.sizes) if is_dynamic else None,
+        nodes=nodes,
+        node_keys=node_keys(collected.capture),
+        compiled=not background,
+        vjp=vjp,
+        expected=expected,
+    )
+    with LOCK:
+        STATS.captures += 1
+        STATS.dynamic_captures += is_dynamic
+        STATS.trace_seconds += t1 - t0
+        STATS.compile_seconds += t2 - t1
+    logged = log_capture(
+        dict(reason=reason, nodes=len(names), backend=cfg.backend_label, opaque=[o[1:] for o in captured.plan.opaque],
+             trace_seconds=t1 - t0, compile_seconds=t2 - t1, inputs=len(collected.lifted),
+             dynamic=describe_dynamic(collected, entry.dynamic), guards=entry.dynamic.guard_source if entry.dynamic else None,
+             background=background, create_graph=how, **_unpacked_up_front(collected))
+    )
+    log.info("captured %d nodes (%s): trace %.2fs, compile %.2fs", len(names), reason, t1 - t0, t2 - t1)
+    if background:
+        example = captured.example_inputs if is_dynamic else _static_fakes(collected.lifted)
+        compile_in_background(cfg, key, entry, example, what, logged, lambda: dynamic_of(captured, entry.sizes))
+    return entry
+
+
+def entry_from_disk(cfg: Config, collected, key, record, reason: str) -> CompiledBackward:
+    """A graph this user's compiled_autograd stored in an earlier process:
+    no trace; the compile comes from the backend's own caches."""
+    t0 = time.perf_counter()
+    gm = record["graph"]
+    expected = expected_outputs(gm)  # (no metadata: the number of outputs)
+    background = cfg.background_compile and not cfg.fullgraph
+    what = f"compiling a stored backward graph of {len(record['node_names'])} nodes with {cfg.backend_name}"
+    if background:
+        fn = gm
+    else:
+        with compile_status(what):
+            fn = backends.compile_graph(cfg.backend, gm, collected.lifted, patches=cfg.inductor_patches)
+    entry = CompiledBackward(
+        fn=fn,
+        graph=gm,
+        plan=record["plan"],
+        backend=cfg.backend_name,
+        steals=may_steal(cfg.backend),
+        node_names=record["node_names"],
+        num_inputs=record["num_inputs"],
+        reason=reason + " (graph loaded from the disk cache)",
+        trace_seconds=0.0,
+        compile_seconds=time.perf_counter() - t0,
+        sizes=collected.sizes,
+        nodes=record["nodes"],
+        node_keys=record["node_keys"],
+        compiled=not background,
+        expected=expected,
+    )
+    with LOCK:
+        STATS.disk_hits += 1
+        STATS.compile_seconds += entry.compile_seconds
+    logged = log_capture(
+        dict(reason=entry.reason, nodes=len(entry.node_names), backend=cfg.backend_label, opaque=[o[1:] for o in entry.plan.opaque],
+             trace_seconds=0.0, compile_seconds=entry.compile_seconds, inputs=entry.num_inputs, dynamic=[], guards=None,
+             background=background, **_unpacked_up_front(collected))
+    )
+    if background:
+        compile_in_background(cfg, key, entry, _static_fakes(collected.lifted), what, logged)
+    return entry
+
+
+def _unpacked_up_front(collected) -> dict:
+    """How many tensors saved-tensor hooks unpacked when this backward started, and their
+    size: eager unpacks each when its node runs, so these are alive together here, longer
+    than in eager; and how many are unpacked in the graph instead (NOTE [Unpacking in the graph])."""
+    tensors = [collected.lifted[i] for i in collected.up_front]
+    storages = {}
+    for t in tensors:
+        try:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):  # no storage to count
+            pass
+    nbytes = sum(storages.values())
+    if tensors:
+        log.info("%d tensors (%.1f MB) unpacked by saved-tensor hooks when the backward started", len(tensors), nbytes / 2**20)
+    return dict(unpacked=len(tensors), unpacked_mb=nbytes / 2**20, in_graph=len(collected.in_graph))
+
+
+def _static_fakes(tensors):
+    """Fake copies for a static graph's background compile (no reference to the user's
+    tensors): static shapes, in a mode with a ShapeEnv for inductor's FX graph cache
+    (NOTE [Inductor's FX graph cache for our graphs], compile/backends.py)."""
+    return static_fakes(tensors)[1]
+
+
+def _example_inputs(captured, collected):
+    # a static graph compiles against the real tensors; a dynamic one against
+    # the fakes carrying its symbols
+    return captured.example_inputs if captured.mask is not None and any(captured.mask) else collected.lifted
+
+
+def dynamic_of(captured, sizes) -> Dynamic:
+    source, guard = guards_of(captured)
+    return Dynamic(
+        mask=captured.mask,
+        static=tuple(None if m else v for m, v in zip(captured.mask, sizes)),
+        size_inputs=captured.size_inputs,
+        guard_source=source,
+        guard=guard,
+    )
+
+
+def opaque_reason_of(plan, idx):
+    for i, _, why in plan.opaque:
+        if i == idx:
+            return why
+    return None

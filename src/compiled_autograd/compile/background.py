@@ -1,0 +1,212 @@
+"""Background compiles: a new graph replays as traced while a thread compiles it; waiting for
+them (`synchronize`) and for those still running at exit (NOTE [Background compile])."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from typing import Callable
+
+from ..cache.memory import CACHE, CompiledBackward
+from ..config import Config
+from ..observe.logs import compile_status
+from ..observe.stats import LOCK, STATS
+from . import backends
+from .backends import in_background, serialize_dynamo_compiles
+
+log = logging.getLogger("compiled_autograd")
+
+
+# NOTE [Background compile]
+# With a slow backend (inductor: seconds to minutes per graph) the first
+# backward of a new graph does not wait: it replays the traced FX graph as is
+# (the same aten ops eager runs), while a thread compiles. When the compile is
+# done, the cache entry is replaced by one running the compiled code. A
+# dynamic graph's guards are recomputed after the compile, since the compiler
+# may add its own; until then the entry keeps the trace's guards, which are
+# all the FX graph needs. The thread starts once that first replay is done (a
+# graph whose first run raised is not compiled): started before, it took the GIL
+# from the replay's many small ops in 5 ms slices, and the transformer's first
+# backward took 2.4 s instead of 1.4 (its compile waits for a replay of ~0.2 s).
+_pending: set[threading.Thread] = set()
+
+
+_compiling: set[int] = set()  # idents of the compile threads inside their compile (cancellable at exit)
+
+
+_deferred: dict[int, Callable[[], None]] = {}  # id(entry) -> start its compile, until its first replay ran
+
+
+def start_compile_of(entry: CompiledBackward, run: bool = True) -> None:
+    with LOCK:
+        start = _deferred.pop(id(entry), None)
+    if start is not None and run:
+        start()
+
+
+def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, what: str, logged: dict, redo_dynamic=None) -> None:
+    # `example`: fake tensors only; the thread must not keep the user's tensors alive;
+    # `redo_dynamic`: a dynamic graph's sizes and guards, recomputed after the compile (it may add guards)
+    is_dynamic = entry.dynamic is not None
+    graph = entry.graph
+
+    def work():
+        t0 = time.perf_counter()
+        me = threading.get_ident()
+        try:
+            with LOCK:
+                _compiling.add(me)  # may be cancelled at exit from here (NOTE [Background compiles at exit])
+            try:
+                with compile_status(what + " (in the background)"), in_background():
+                    fn = backends.compile_graph(cfg.backend, graph, example, dynamic=is_dynamic, patches=cfg.inductor_patches)
+            finally:
+                with LOCK:
+                    _compiling.discard(me)
+            dynamic = redo_dynamic() if is_dynamic else None
+            done = dataclasses.replace(
+                entry, fn=fn, dynamic=dynamic, compiled=True, compile_seconds=time.perf_counter() - t0
+            )
+            CACHE.replace(key, entry, done)
+            with LOCK:
+                STATS.compile_seconds += time.perf_counter() - t0
+            logged["compile_seconds"] = time.perf_counter() - t0  # its own record: the log may be trimmed
+            if dynamic is not None:
+                logged["guards"] = dynamic.guard_source
+        except CompileCancelled:  # NOTE [Background compiles at exit]
+            log.debug("background compile cancelled by the interpreter's exit")
+        except Exception as e:  # the traced graph keeps serving this backward
+            with LOCK:
+                STATS.compile_failures += 1
+            if not _exiting():
+                log.warning("background compile failed, the traced graph stays in use: %s", e, exc_info=True)
+            else:  # torch's executors refuse work, its modules are torn down under the compile
+                log.debug("background compile ended by the interpreter's exit: %s", e)
+        finally:
+            with LOCK:
+                STATS.compiles_pending -= 1
+                _pending.discard(threading.current_thread())
+
+    def start():
+        serialize_dynamo_compiles()  # NOTE [One compile at a time] (compile/backends.py)
+        _wait_at_exit.register()
+        # (not a daemon: NOTE [Background compiles at exit])
+        thread = threading.Thread(target=work, name="compiled_autograd compile", daemon=False)
+        with LOCK:
+            STATS.compiles_pending += 1
+            _pending.add(thread)
+        thread.start()
+
+    with LOCK:
+        _deferred[id(entry)] = start
+
+
+# NOTE [Background compiles at exit]
+# A compile thread that the interpreter abandons at exit (a daemon thread) is
+# killed where it next takes the GIL: inside C++ code (a torch op, pybind11's
+# GIL release) that unwinds through a noexcept frame, and the process aborts
+# ("terminate called without an active exception", exit status 134). So
+# compile threads are not daemons (the interpreter joins them), and threading's
+# shutdown, before it joins them and before the executors' exit hooks make
+# them refuse work, first runs `_wait_at_exit`: it waits for the pending
+# compiles up to COMPILED_AUTOGRAD_EXIT_WAIT seconds (default 10; "inf": to the
+# end; a finished compile also fills inductor's caches for the next process),
+# then cancels the rest: a CompileCancelled raised in each compile thread,
+# which Python delivers between bytecodes -- never inside C++ code, which
+# finishes the call it is in first -- and repeated until the thread ends.
+EXIT_WAIT_DEFAULT = 10.0
+
+
+class CompileCancelled(BaseException):
+    """Raised in a background compile thread to cancel it at exit (a BaseException: code in
+    the compiler that catches Exception lets it through)."""
+
+
+def _exit_wait() -> float | None:
+    raw = os.environ.get("COMPILED_AUTOGRAD_EXIT_WAIT", "")
+    try:
+        wait = float(raw) if raw.strip() else EXIT_WAIT_DEFAULT
+    except ValueError:
+        log.warning("COMPILED_AUTOGRAD_EXIT_WAIT=%r is not a number of seconds; waiting %gs", raw, EXIT_WAIT_DEFAULT)
+        wait = EXIT_WAIT_DEFAULT
+    if wait != wait or wait == float("inf"):
+        return None
+    return max(0.0, wait)
+
+
+class _WaitAtExit:
+    def __init__(self):
+        self.registered = False
+
+    def register(self) -> None:
+        if self.registered:
+            return
+        # (their exit hooks first, so that ours runs before: threading runs them in reverse)
+        import concurrent.futures.process  # noqa: F401
+        import concurrent.futures.thread  # noqa: F401
+
+        try:
+            threading._register_atexit(self)
+        except (AttributeError, RuntimeError):  # (no such hook; or the shutdown has begun: joined anyway)
+            pass
+        self.registered = True
+
+    def __call__(self) -> None:
+        with LOCK:
+            if not _pending:
+                return
+        wait = _exit_wait()
+        if wait is None or wait > 0:
+            log.info("waiting for %d background compile(s) before exiting", len(_pending))
+            if synchronize(wait):
+                return
+        with LOCK:
+            threads = [t for t in _pending if t.is_alive()]
+        log.info("cancelling %d background compile(s) at exit", len(threads))
+        while threads:
+            with LOCK:  # (only inside the compile: a thread's own bookkeeping is not interrupted)
+                for t in threads:
+                    if t.ident in _compiling:
+                        _cancel(t)
+            for t in threads:
+                t.join(1.0)  # (again while one is still compiling: its code may have caught it)
+            threads = [t for t in threads if t.is_alive()]
+
+
+_wait_at_exit = _WaitAtExit()
+
+
+def _cancel(thread: threading.Thread) -> None:
+    import ctypes
+
+    if thread.ident is not None and thread.is_alive():
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(CompileCancelled))
+
+
+def _exiting() -> bool:
+    """Whether the interpreter is exiting: threading's shutdown has begun (it first runs the
+    executors' exit hooks, after which they refuse new work), or the main thread has ended."""
+    return getattr(threading, "_SHUTTING_DOWN", False) or not threading.main_thread().is_alive()
+
+
+def synchronize(timeout: float | None = None) -> bool:
+    """Wait for background compiles to finish; True when none is pending."""
+    deadline = None if timeout is None else time.perf_counter() + timeout
+    while True:
+        with LOCK:
+            threads = list(_pending)
+        if not threads:
+            return True
+        for t in threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.perf_counter()))
+        if deadline is not None and time.perf_counter() >= deadline:
+            with LOCK:
+                return not _pending
+
+
+def reset() -> None:
+    """Forget the compiles not yet started (their graphs are gone with the cache)."""
+    with LOCK:
+        _deferred.clear()

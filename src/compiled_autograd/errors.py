@@ -1,0 +1,19 @@
+"""The errors compiled_autograd raises of its own (misuse gets eager's own errors)."""
+
+from __future__ import annotations
+
+
+class CompiledAutogradError(RuntimeError):
+    """Raised under `fullgraph=True` when a backward cannot be compiled."""
+
+
+class BackendOutputError(CompiledAutogradError):
+    """A backend's compiled graph returned outputs that differ from the traced graph's: too
+    few or too many, or one of another shape, dtype, device or layout (NOTE [A compiled
+    graph's outputs are checked on its first run], replay/validate.py)."""
+
+
+class Fallback(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason

@@ -1,0 +1,125 @@
+"""A hit (and a capture's first run): run the compiled graph with its calls' context, then
+apply its results with eager semantics."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from ..cache.memory import CACHE, CompiledBackward
+from ..walk.collect import read_state, state_reads
+from . import calls
+from .differentiable import DifferentiableGraph
+from .graph_task import in_graph_task
+from .validate import backend_output_error, mismatches
+
+
+def run_graph(entry: CompiledBackward, capture, lifted, extra, hooks, releases=(), free_on_failure=False, observed=None):
+    if entry.plan.differentiable is not None and any(entry.plan.differentiable):
+        with torch.enable_grad():  # the engine's grad mode under create_graph
+            return list(DifferentiableGraph.apply(entry, extra, *lifted))
+    args = list(lifted) + extra if extra else lifted
+
+    # NOTE [Stealing a fresh grad] (replay/calls.py): the storages of the graph's inputs, which a
+    # stolen grad must not share (a compiler may turn a no-op on an input into the input)
+    steal = calls.input_storages(args) if entry.steals and entry.plan.steals else None
+
+    # NOTE [Hooks may change what the graph reads]: the versions of the saved tensors that
+    # calls check, as the backward starts (the collect checked them against the nodes')
+    versions = {slot: [args[i]._version for i in idx] for slot, idx in entry.plan.watch} or None
+    # Plan.ctx_checks: custom Functions' ctx attributes as the trace read them
+    ctx = {
+        slot: [
+            (obj, list(vars(obj).items()), [(c, n, read_state(c, n)) for c, n in state_reads(obj._forward_cls)])
+            for obj in map(capture.node_object, idxs)
+        ]
+        for slot, idxs in entry.plan.ctx_checks
+    } or None
+
+    def run():
+        after = entry.plan.release_after if releases else None
+        frame = calls.replaying(capture, entry.plan.slots, hooks, steal, entry.steals, versions, ctx, after, observed)
+        try:
+            with frame, torch.no_grad():
+                return list(entry(args))
+        except BaseException:
+            if free_on_failure:
+                release_completed(capture, entry.plan, frame.failed_at)
+            raise
+
+    if entry.plan.slots:
+        # hooks and opaque nodes run inside: give them the engine context they
+        # expect (graph task id, queue_callback), as eager does
+        return in_graph_task(run)
+    return run()
+
+
+def release_completed(capture, plan, slot) -> None:
+    """NOTE [A backward that raised part way]
+    When a hook or an opaque node raises, eager's engine has already run the nodes before
+    it, and, without retain_graph, freed their saved tensors: a second `backward()` of the
+    same graph raises "Trying to backward through the graph a second time" instead of
+    accumulating the grads that reached `.grad` before the error once more. A graph of ours
+    that raised part way (a call raised: its slot is the last one started) frees the same
+    nodes: those eager ran before that call's node, and the node itself when the call was
+    one of its post hooks (eager applied it). A hit of a boxed graph has freed every node
+    before running (NOTE [Boxed graphs free their inputs]), so a retry raises there even
+    where eager's would not (a hook on the root raising before any node ran)."""
+    if slot is None:
+        return
+    s = plan.slots[slot]
+    capture.release_nodes(list(range(s.at + (1 if s.completes_node else 0))))
+
+
+def check_outputs(key, entry: CompiledBackward, capture, results: list, sizes: tuple) -> None:
+    """The first run of an entry's fn: its results must be what the traced graph returns,
+    before any is applied; a graph that fails leaves the cache (the next backward of this
+    structure captures and compiles again)."""
+    if entry.expected is not None:
+        grad_mode = entry.plan.differentiable is not None and any(entry.plan.differentiable)
+        problems = mismatches(entry.expected, results, sizes, entry.plan.num_results if grad_mode else None)
+        if problems:
+            CACHE.discard(key, entry)
+            capture.clear()
+            raise backend_output_error(entry, problems)
+    object.__setattr__(entry, "checked", True)  # (a frozen entry; this flag is no part of its value)
+
+
+def apply(entry: CompiledBackward, capture, results: list):
+    """Apply a graph's results with eager semantics; return grad()'s results."""
+    plan = entry.plan
+    acc = []
+    for node, r, f in plan.accumulate:
+        if f < 0 or bool(results[f]):
+            acc.append((node, r))
+    captured = [r if (f < 0 or bool(results[f])) else -1 for r, f in plan.captured]
+    return capture.apply_results(results, acc, captured)
+
+
+class GCPause:
+    """NOTE [No garbage collection on a hit]
+    A hit allocates one Python object per lifted tensor (the compiled
+    callable takes a list of tensors) and frees them before returning. With
+    the collector on, those allocations trigger collections (on the
+    2000-node chain about one young-generation collection per hit, 0.2 ms of
+    a 6 ms backward; much more when many graphs are alive, since older
+    generations then get traversed too). So a hit runs with the collector
+    paused: what it allocates it frees (net zero for the collector's
+    counters), so no collection is skipped, only not triggered by us (cycles
+    that hooks called from the graph make are collected after the backward).
+    Misses (tracing and compiling make cycles) and eager fallbacks resume it
+    first. A backward started while it is already off (by the user, or an
+    outer backward's hook) leaves it alone."""
+
+    __slots__ = ("paused",)
+
+    def __init__(self):
+        self.paused = gc.isenabled()
+        if self.paused:
+            gc.disable()
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            gc.enable()
