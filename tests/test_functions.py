@@ -1120,7 +1120,7 @@ class _ReverseGrad(torch.autograd.Function):
 def test_a_function_whose_ctx_value_changes_every_step_stops_being_recaptured():
     # NOTE [Functions whose values change every step]: a gradient-reversal layer whose lambda
     # is annealed every step was a capture (and a compile) per backward, for ever
-    from compiled_autograd.walk.collect import CHURN_LIMIT
+    from compiled_autograd.nodes.function import CHURN_LIMIT
 
     w = leaf(4, 4)
     steps = CHURN_LIMIT + 5
@@ -1148,7 +1148,7 @@ def test_a_function_whose_ctx_value_changes_every_step_stops_being_recaptured():
 
 def test_a_function_applied_with_many_fixed_values_stays_compiled():
     # twelve layers, each with its own fixed scale: one set of values per graph, not churn
-    from compiled_autograd.walk.collect import CHURN_LIMIT
+    from compiled_autograd.nodes.function import CHURN_LIMIT
 
     w = leaf(4, 4)
     scales = [0.1 * (i + 1) for i in range(CHURN_LIMIT + 4)]
@@ -1357,7 +1357,7 @@ class _ScaleByKeptTensor(torch.autograd.Function):
 def test_a_function_in_many_graphs_with_the_same_values_stays_compiled():
     # NOTE [Functions whose values change every step]: what is counted is its values, not the
     # positions its ctx tensors are lifted at, which change with the graph around it
-    from compiled_autograd.walk.collect import CHURN_LIMIT
+    from compiled_autograd.nodes.function import CHURN_LIMIT
 
     w, k = leaf(4), torch.randn(4)
     for depth in range(CHURN_LIMIT + 3):  # a new graph each, the Function's tensor lifted elsewhere

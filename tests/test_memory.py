@@ -27,7 +27,7 @@ def test_saved_tensors_are_freed_inside_the_graph(backend):
     # storages, seen from a spy around the compiled callable.
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from compiled_autograd.compile.backends import BOXED
+    from compiled_autograd.values import BOXED
 
     model = _model()
     params = list(model.parameters())

@@ -9,7 +9,7 @@ import torch
 import torch.utils.checkpoint as checkpoint
 
 import compiled_autograd as ca
-from compiled_autograd.walk.collect import REENTRANT_CHECKPOINT
+from compiled_autograd.nodes.function import REENTRANT_CHECKPOINT
 
 
 class ScaleBySize(torch.autograd.Function):

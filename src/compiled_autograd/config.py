@@ -14,7 +14,12 @@ from typing import Callable, Union
 
 BackendLike = Union[str, Callable]
 
-BACKENDS = ("eager", "aot_eager", "inductor")
+
+def _backends() -> dict:
+    """The backend registry (compile/backends.py: name -> Backend), the one list of names."""
+    from .compile.backends import BACKENDS
+
+    return BACKENDS
 
 
 @dataclass(frozen=True)
@@ -56,10 +61,10 @@ class Config:
     options: tuple = ()  # sorted (name, value) pairs; a dict is accepted
 
     def __post_init__(self):
-        if isinstance(self.backend, str) and self.backend not in BACKENDS:
+        if isinstance(self.backend, str) and self.backend not in _backends():
             raise ValueError(
                 f"compiled_autograd: unknown backend {self.backend!r}; "
-                f"expected one of {', '.join(BACKENDS)} or a callable (gm, example_inputs) -> callable"
+                f"expected one of {', '.join(_backends())} or a callable (gm, example_inputs) -> callable"
             )
         if not isinstance(self.backend, str) and not callable(self.backend):
             raise TypeError(f"compiled_autograd: backend must be a str or callable, got {type(self.backend)}")
@@ -114,7 +119,7 @@ class Config:
     @property
     def background_compile(self) -> bool:
         if self.background is None:
-            return self.backend == "inductor"
+            return isinstance(self.backend, str) and _backends()[self.backend].background
         return bool(self.background) and self.backend != "eager"
 
     @property

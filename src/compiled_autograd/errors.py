@@ -17,3 +17,19 @@ class Fallback(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
+
+
+class NeedsOpaque(Exception):
+    def __init__(self, idx: int, reason: str):
+        super().__init__(reason)
+        self.idx = idx
+        self.reason = reason
+
+
+class NotTwiceDifferentiable(Exception):
+    """create_graph=True through a part of the backward eager records as an error node."""
+
+
+class Unkeyable(Exception):
+    """A value the key cannot hold (the runtime falls back when a saved-tensor hook's
+    result is one)."""

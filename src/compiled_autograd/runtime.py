@@ -29,7 +29,10 @@ from .observe import captures
 from .observe.stats import LOCK, STATS
 from .replay.run import GCPause, apply, check_outputs, run_graph
 from .values import BOXED
-from .walk.collect import CHURN, CHURN_LIMIT, Learn, Unkeyable, collect
+from .errors import Unkeyable
+from .nodes.function import CHURN, CHURN_LIMIT
+from .nodes.saved_tensors import Learn
+from .walk.collect import collect
 from .walk.precheck import global_state, precheck
 
 log = logging.getLogger("compiled_autograd")

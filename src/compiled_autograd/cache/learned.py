@@ -12,7 +12,7 @@ import torch
 from .. import values
 from ..observe.stats import LOCK, STATS
 from ..values import NodeKind
-from ..walk.collect import Learn
+from ..nodes.saved_tensors import Learn
 
 log = logging.getLogger("compiled_autograd")
 
@@ -116,7 +116,8 @@ def learn_node_layouts(key, watch, eager):
 
 
 def reset() -> None:
-    from ..walk.collect import CHURN, LEARNED
+    from ..nodes.function import CHURN
+    from ..nodes.saved_tensors import LEARNED
 
     LEARNED.clear()
     CHURN.clear()

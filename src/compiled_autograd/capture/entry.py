@@ -19,7 +19,9 @@ from ..replay.graph_task import in_graph_task
 from ..replay.validate import expected_outputs
 from ..values import NodeSummary
 from .create_graph import split_joint
-from .trace import NotTwiceDifferentiable, capture_backward, guards_of
+from ..errors import NotTwiceDifferentiable
+from .fakes import guards_of
+from .trace import capture_backward
 
 log = logging.getLogger("compiled_autograd")
 

@@ -15,7 +15,8 @@ from ..config import Config
 from ..observe.logs import compile_status
 from ..observe.stats import LOCK, STATS
 from . import backends
-from .backends import in_background, serialize_dynamo_compiles
+from . import torch_patches
+from .torch_patches import in_background
 
 log = logging.getLogger("compiled_autograd")
 
@@ -90,7 +91,7 @@ def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, wh
                 _pending.discard(threading.current_thread())
 
     def start():
-        serialize_dynamo_compiles()  # NOTE [One compile at a time] (compile/backends.py)
+        torch_patches.install(torch_patches.BACKGROUND)  # NOTE [One compile at a time], and the random state's
         _wait_at_exit.register()
         # (not a daemon: NOTE [Background compiles at exit])
         thread = threading.Thread(target=work, name="compiled_autograd compile", daemon=False)

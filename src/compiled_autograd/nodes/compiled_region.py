@@ -36,6 +36,9 @@ import weakref
 
 import torch
 
+from ..capture.tracing import _tracing
+from ..errors import NeedsOpaque
+
 
 def is_compiled_function(cls) -> bool:
     """AOTAutograd's CompiledFunction (torch._functorch._aot_autograd.runtime_wrappers)."""
@@ -158,3 +161,20 @@ def trace_backward(cls, symints: list, saved: list, grads: list) -> tuple:
     with torch._C._DisableAutocast():
         out = _ReshapeViews(module).run(*all_args)
     return tuple(cls._bw_epilogue_fn(out))
+
+
+def trace_in_graph(t, idx, node, grads, args):
+    """NOTE [Inlining AOTAutograd backwards] (nodes/compiled_region.py)."""
+    if torch.is_grad_enabled():
+        raise NeedsOpaque(idx, "a torch.compile'd region's backward under create_graph (AOTAutograd has no double backward)")
+    info = t.c.pynodes[idx]
+    saved = [args[i] if i >= 0 else None for i in info.saved]
+    symints = rebuild_symints(info.symints, t.aot_ints[info.aot_start :])
+    try:
+        _tracing.active = True
+        try:
+            return trace_backward(node._forward_cls, symints, saved, grads)
+        finally:
+            _tracing.active = False
+    except Exception as e:
+        raise NeedsOpaque(idx, f"a torch.compile'd region's backward not traceable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")

@@ -68,6 +68,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from ..compile import torch_patches
 from ..values import (  # the call protocol; re-exported for the graphs' code and the native helper
     _DTYPES,
     _DTYPE_CODE,
@@ -181,16 +182,15 @@ class replaying:
 # node read as "will not run", so it waited for none and never called its
 # function. While a graph of ours runs, that query (from its own graph task: not
 # a nested eager backward's) is answered from the captured graph instead.
-_engine_will_execute_node = torch._C._will_engine_execute_node
-
-
 def _will_engine_execute_node(node):
+    """The captured graph's answer, from its own graph task; None: eager's answer (the
+    patch of torch._C._will_engine_execute_node is compile/torch_patches.py's)."""
     if _replay.stack and _replay.tasks[-1] != -1 and _replay.tasks[-1] == torch._C._current_graph_task_id():
         return _replay.stack[-1][0].will_execute(node)
-    return _engine_will_execute_node(node)
+    return None
 
 
-torch._C._will_engine_execute_node = _will_engine_execute_node
+torch_patches.engine_query = _will_engine_execute_node
 
 
 def _call(
@@ -285,7 +285,7 @@ def _check_ctx(snapshots) -> None:
     (`grad_fn.W = new`), or a global or closure value its backward reads: eager's backward
     reads the new value, the traced one read the old (a tensor lifted, a number keyed) when
     the backward started."""
-    from ..walk.collect import read_state
+    from ..walk.state import read_state
 
     for obj, items, state in snapshots:
         now = vars(obj)
@@ -316,7 +316,7 @@ def _check_versions(tensors, expected) -> None:
 
 def _run_slot(capture, slot, kind, node, mask, args, meta, flags, hooks, shared=None, observed=None):
     if kind == UNPACK:
-        from ..walk.collect import unpack
+        from ..nodes.saved_tensors import unpack
 
         pair, hooks[node] = hooks[node], None  # unpacked once, as eager does: the packed value can go
         if pair is None:
@@ -326,7 +326,7 @@ def _run_slot(capture, slot, kind, node, mask, args, meta, flags, hooks, shared=
         outs = [unpack(hook, packed)]
         del hook, packed
         if learned is not None:
-            from ..walk.collect import LEARNED
+            from ..nodes.saved_tensors import LEARNED
 
             expected = decode_meta(meta)[0]
             LEARNED.check(learned, outs[0], expected.shape, expected.dtype, expected.device)

@@ -8,7 +8,7 @@ import gc
 import torch
 
 from ..cache.memory import CACHE, CompiledBackward
-from ..walk.collect import read_state, state_reads
+from ..walk.state import read_state, state_reads
 from . import calls
 from .differentiable import DifferentiableGraph
 from .graph_task import in_graph_task

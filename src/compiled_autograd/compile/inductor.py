@@ -1,0 +1,172 @@
+"""Inductor for our graphs: its lowering of compiled_autograd::call, and the compile itself
+(inductor's config for our graphs, the patches it needs, its on-disk cache's key)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from ..replay import calls as ops
+from . import torch_patches
+from .backends import compile_on_static_fakes
+
+
+def compile_inductor(gm, example_inputs, dynamic: bool, patches: dict | None):
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+
+    _register_inductor_lowering()
+    torch_patches.install(torch_patches.INDUCTOR)
+    # NOTE [No size asserts]: inductor's code checks every input's sizes and
+    # strides on every call (`assert_size_stride`, ~0.45 us per input: 0.6 ms
+    # of a 2000-node chain's 4-6 ms hit). Our cache key already fixes every
+    # lifted tensor's sizes and strides (or their symbols and guards), so a
+    # graph is only ever called with the geometry it was compiled for.
+    with inductor_config.patch({"size_asserts": False, **(patches or {})}), (
+        torch_patches.scoped(torch_patches.DYNAMIC_INDUCTOR) if dynamic else contextlib.nullcontext()
+    ), _cache_tag(dynamic) as tagged:
+        # NOTE [Inductor's FX graph cache for our graphs]
+        torch_patches.compiling_ours.active = True
+        try:
+            return compile_on_static_fakes(compile_fx, gm, example_inputs, static=tagged and not dynamic)
+        finally:
+            torch_patches.compiling_ours.active = False
+
+
+def _register_inductor_lowering() -> None:
+    """Inductor's lowering of compiled_autograd::call: the generic fallback kernel, and,
+    for a call that hands its grad over (flags & ops.HANDS_OVER), that grad's buffer is
+    never reused: inductor would otherwise write the next same-sized result into it
+    (`buf3 = buf1; del buf1  # reuse`) while it is the parameter's `.grad`."""
+    import torch.utils._pytree as pytree
+    from torch._inductor import ir
+    from torch._inductor.lowering import lowerings, register_lowering
+    from torch._inductor.virtualized import V
+
+    op = torch.ops.compiled_autograd.call.default
+    if op in lowerings:
+        return
+
+    @register_lowering(op, type_promotion_kind=None)
+    def _call(slot, args, meta, flags):
+        start = len(V.graph.operations)
+        out = ir.FallbackKernel.create(op, slot, args, meta, flags)
+        # NOTE [Calls run in eager's order]: hooks and opaque nodes must run in the traced
+        # order, whatever data flows between them. The call is ORDERED-effectful, and
+        # inductor's with_effects lowering adds a dependency of each effectful op on the
+        # one before, but keys it by buffer name where its scheduler looks it up by
+        # operation name (torch 2.13): the dependency is lost, and inductor ran a call whose
+        # outputs were needed early before the call traced ahead of it. So each call's
+        # operations also depend on the previous call's, keyed as the scheduler reads them
+        previous = getattr(V.graph, "_compiled_autograd_last_call", None)
+        created = V.graph.operations[start:]
+        for operation in created:
+            if isinstance(operation, ir.FallbackKernel) and not V.graph.cpp_wrapper and not getattr(V.graph, "fx_wrapper", False):
+                # the generated Python code calls the kernel directly (ops.call_direct): not
+                # through the dispatcher, whose boxing of the arguments and redispatch to our
+                # Python kernel cost ~10 us a call
+                operation.python_kernel_name = ops.DIRECT_KERNEL_NAME
+        if previous is not None:
+            for operation in created:
+                V.graph.additional_star_deps[operation.get_operation_name()].add(previous.get_name())
+        if created:
+            V.graph._compiled_autograd_last_call = created[-1]
+        if flags & ops.KEEPS_INPUTS or flags >> ops.PASSES_SHIFT:
+            # a hook may keep a tensor it is given (a logging hook storing its grad), and
+            # return it unchanged as its output (NOTE [Outputs the graph owns]): no buffer of
+            # its inputs or outputs may be reused for another result. A call that passes
+            # graph inputs on returns them (NOTE [Hooks may change what the graph reads]):
+            # its outputs are not inductor's to reuse
+            for operation in V.graph.operations[start:]:
+                if isinstance(operation, ir.FallbackKernel) and flags & ops.KEEPS_INPUTS:
+                    for inp in operation.inputs:
+                        if isinstance(inp, ir.IRNode) and inp.maybe_get_name() is not None:
+                            _never_reuse(inp.get_name())
+                elif isinstance(operation, ir.MultiOutput):
+                    _never_reuse(operation.get_name())
+        if flags & ops.HANDS_OVER:
+            # the grad is the first argument (the others only order the call: NOTE
+            # [Hooks may change what the graph reads] in capture/trace.py)
+            for operation in V.graph.operations[start:]:
+                if isinstance(operation, ir.FallbackKernel) and operation.inputs:
+                    inp = operation.inputs[0]
+                    if isinstance(inp, ir.IRNode) and inp.maybe_get_name() is not None:
+                        _never_reuse(inp.get_name())
+        return pytree.tree_map(_wrap_for_lowering, out)
+
+
+def _wrap_for_lowering(x):
+    """A fallback kernel's output as its lowering returns it (`wrap_for_lowering`, torch 2.13;
+    a TensorBox before)."""
+    from torch._inductor import ir
+
+    if not isinstance(x, ir.IRNode):
+        return x
+    wrap = getattr(x, "wrap_for_lowering", None)
+    return wrap() if wrap is not None else ir.TensorBox.create(x)
+
+
+def _never_reuse(name: str) -> None:
+    """NOTE [Freed, never reused]: inductor must not write another result into this buffer
+    (a hook or AccumulateGrad may hold it), but it may drop its own reference at the
+    buffer's last use. Inductor's `never_reuse_buffers` does the first and, as a side
+    effect, never frees such a buffer (`codegen_free` returns early for it, torch 2.13): a
+    hook's grads and a pass-through's tensors lived to the end of the graph (a tensor hook
+    on every activation: 1.8x eager's peak memory, a module full backward hook on every
+    layer: 3.5x). Our patch of `codegen_free` writes a plain `del` for these buffers."""
+    from torch._inductor.virtualized import V
+
+    V.graph.never_reuse_buffers.add(name)
+    mine = getattr(V.graph, "_compiled_autograd_no_reuse", None)
+    if mine is None:
+        mine = V.graph._compiled_autograd_no_reuse = set()
+    mine.add(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _code_digest() -> str:
+    """A digest of the code that shapes what inductor makes of our graphs (our lowering of
+    the call, the codegen patches here, the call's kernel)."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    package = Path(__file__).resolve().parents[1]
+    for name in ("compile", "replay"):
+        for f in sorted((package / name).glob("*.py")):
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _cache_tag(dynamic: bool):
+    """Keep inductor's on-disk caches (its FX graph cache, keyed by the graph and its
+    config) from serving code compiled by another version of our lowering and codegen
+    patches, or for the other kind of graph: a no-op custom pass whose uuid enters the key.
+    Yields whether it could (not when the user set a post-grad pass of their own)."""
+    from torch._inductor import config
+
+    if config.post_grad_custom_post_pass is not None:
+        yield False
+        return
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+    except ImportError:  # pragma: no cover
+        yield False
+        return
+
+    tag = f"compiled_autograd {_code_digest()}: " + (
+        "dynamic: size-class agnostic reductions, range-proven index identities" if dynamic else "static"
+    )
+
+    class _Tag(CustomGraphPass):
+        def __call__(self, graph):
+            return None
+
+        def uuid(self):
+            return tag
+
+    with config.patch(post_grad_custom_post_pass=_Tag()):
+        yield True

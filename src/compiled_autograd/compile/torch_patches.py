@@ -1,0 +1,600 @@
+"""Every patch of torch's internals, in one place (`PATCHES`: what each replaces, why, the
+releases it was written for, how to tell it is still needed), installed from here only.
+
+Each patch is installed once, when the first thing that needs it happens (`install(when)`):
+at import, when a background compile is scheduled, when inductor first compiles one of our
+graphs; two are in force only while a dynamic graph compiles (`scoped`). Each marks what it
+installed (`_compiled_autograd = True`) and leaves a torch whose layout differs alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import operator
+import os
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+compile_lock = threading.RLock()  # one of our compiles at a time (NOTE [One compile at a time])
+
+
+# NOTE [One compile at a time]
+# Torch's compilers keep state in process globals: fx's node-meta state
+# (`torch.fx.traceback.current_meta` and `should_preserve_node_meta`, which
+# `preserve_node_meta()` sets and restores around inductor's and AOTAutograd's
+# work), dynamo's and inductor's own. Two compiles in two threads corrupt each
+# other: with a background compile of ours running, the user's torch.compile'd
+# training function failed in most compiles ("Expected current_level > 0": its
+# joint graph's backward found the node meta the other thread had restored). So
+# our compiles hold one lock, and once a background compile has been scheduled,
+# dynamo's compile of a frame (`convert_frame._compile`) in any thread takes it
+# too: the user's new frame waits for our compile to end (seconds), never runs
+# beside it. (Not inside one of our fx traces: a compile waiting there on a
+# compile that waits on that trace would never end.)
+def serialize_dynamo_compiles() -> None:
+    import torch._dynamo.convert_frame as convert_frame
+
+    original = getattr(convert_frame, "_compile", None)
+    if original is None or getattr(original, "_compiled_autograd", False):
+        return  # (None: a torch whose dynamo compiles frames elsewhere; nothing to wrap)
+
+    @functools.wraps(original)
+    def _compile(*args, **kwargs):
+        if _tracing_here():
+            return original(*args, **kwargs)
+        with compile_lock:
+            return original(*args, **kwargs)
+
+    _compile._compiled_autograd = True
+    convert_frame._compile = _compile
+
+
+# NOTE [One fx trace at a time]
+# torch.fx's tracer (make_fx uses it) patches `nn.Module.__call__` and
+# `__getattr__` for the length of a trace and keeps the patcher in a process
+# global (`torch.fx._symbolic_trace.CURRENT_PATCHER`), and it sets a process
+# global "an fx trace is running" flag (`_is_fx_tracing_flag`), saved and
+# restored around the trace. Two traces in two threads -- ours in the user's
+# thread, AOTAutograd's in a background compile -- corrupt both: one fails with
+# "CURRENT_PATCHER is None in finally block" (seen in the create_graph
+# conformance run with inductor), one trace's patches can stay installed, and
+# the flag can be restored to True by the trace that started second and ended
+# last, after which every torch.compile'd function in the process raises
+# "Detected that you are using FX to symbolically trace a dynamo-optimized
+# function". So every fx trace in the process (`Tracer.trace`, which the
+# tracers' own `trace` methods call) holds one reentrant lock: a trace in one
+# thread waits for the other's to end (a trace, not a whole compile).
+#
+# The lock does not stop the user's thread from running its next forward while
+# a background compile traces: there, a torch.compile'd module raised that same
+# error (the flag is set) and every module call ran through the other thread's
+# tracer (the patched `__call__`). So both are confined to the tracing thread:
+# the patches fx makes call the original in any other thread, and fx's "is a
+# trace running" functions answer for the calling thread (their code is
+# replaced in place: dynamo binds `is_fx_symbolic_tracing` when it wraps a
+# function, possibly before this module was imported).
+_trace_lock = threading.RLock()
+
+
+_fx_traces = threading.local()  # .depth: fx traces running in this thread
+
+
+def _tracing_here() -> bool:
+    return getattr(_fx_traces, "depth", 0) > 0
+
+
+def _confined(new_fn, original):
+    owner = threading.get_ident()
+
+    @functools.wraps(new_fn)
+    def confined(*args, **kwargs):
+        if threading.get_ident() == owner:
+            return new_fn(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    return confined
+
+
+_FLAG_FUNCTIONS = """
+def is_fx_tracing():
+    is_fx_tracing_warning()
+    return _is_fx_tracing_flag and _compiled_autograd_tracing_here()
+
+def is_fx_symbolic_tracing():
+    return _is_fx_tracing_flag and _compiled_autograd_tracing_here() and not torch.compiler.is_compiling()
+"""
+
+
+def _serialize_fx_traces() -> None:
+    import builtins
+
+    import torch.fx._symbolic_trace as fx_trace
+    from torch.fx._symbolic_trace import Tracer, _Patcher
+
+    original = Tracer.trace
+    if getattr(original, "_compiled_autograd", False):
+        return
+
+    @functools.wraps(original)
+    def trace(self, *args, **kwargs):
+        with _trace_lock:
+            _fx_traces.depth = getattr(_fx_traces, "depth", 0) + 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                _fx_traces.depth -= 1
+
+    patch, patch_method = _Patcher.patch, _Patcher.patch_method
+
+    def confined_patch(self, frame_dict, name, new_fn, deduplicate=True):
+        current = frame_dict[name] if name in frame_dict else getattr(builtins, name, None)
+        if current is None or getattr(current, "_Patcher__fx_already_patched", False):
+            return patch(self, frame_dict, name, new_fn, deduplicate)
+        return patch(self, frame_dict, name, _confined(new_fn, current), deduplicate)
+
+    def confined_patch_method(self, cls, name, new_fn, deduplicate=True):
+        current = getattr(cls, name)
+        if getattr(current, "_Patcher__fx_already_patched", False):
+            return patch_method(self, cls, name, new_fn, deduplicate)
+        return patch_method(self, cls, name, _confined(new_fn, current), deduplicate)
+
+    fx_trace._compiled_autograd_tracing_here = _tracing_here
+    if hasattr(fx_trace, "_is_fx_tracing_flag"):  # a process-global flag (torch 2.13; later a thread-local one)
+        replacements: dict = {}
+        exec(_FLAG_FUNCTIONS, vars(fx_trace), replacements)
+        for name, fn in replacements.items():
+            getattr(fx_trace, name).__code__ = fn.__code__
+    _Patcher.patch, _Patcher.patch_method = confined_patch, confined_patch_method
+    trace._compiled_autograd = True
+    Tracer.trace = trace
+
+
+# NOTE [Remembered vector-ISA probes]
+# Before its first CPU compile, each process's inductor checks which vector ISAs
+# (AVX2, AVX-512, VNNI, ...) the machine's compiler and loader handle: it builds a
+# small library per ISA (cached on disk) and loads it in a child process, each
+# child loading libtorch: ~0.15 s a probe, six probes here, ~0.9 s of a warm second
+# process's ~2 s first backward, every process. A probe of the same file (path,
+# size, mtime) on a CPU with the same flags that loaded once loads again, so each
+# success is remembered in our private cache directory and not re-run; a failed
+# probe is never remembered (it runs again next time, as before).
+_isa_probes_patched = False
+
+
+def _remember_vec_isa_probes() -> None:
+    global _isa_probes_patched
+    if _isa_probes_patched:
+        return
+    _isa_probes_patched = True
+    try:
+        from torch._inductor.cpu_vec_isa import VecISA
+    except ImportError:  # pragma: no cover
+        return
+    original = getattr(VecISA, "_probe_load", None)
+    if original is None:  # pragma: no cover - another torch
+        return
+
+    @functools.wraps(original)
+    def probe(self, output_path):
+        try:
+            st = os.stat(output_path)
+            seen = f"{output_path}|{st.st_size}|{st.st_mtime_ns}|{_cpu_flags_digest()}"
+        except OSError:
+            return original(self, output_path)
+        if seen in _probes_remembered():
+            return True
+        ok = original(self, output_path)
+        if ok:
+            _remember_probe(seen)
+        return ok
+
+    VecISA._probe_load = probe
+
+
+def _probes_path():
+    from .. import native
+
+    return native.cache_root() / "vec_isa_probes.json"
+
+
+@functools.cache
+def _cpu_flags_digest() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha256(flags.encode()).hexdigest()[:16]
+
+
+def _probes_remembered() -> set:
+    try:
+        return set(json.loads(_probes_path().read_text()))
+    except (OSError, ValueError, TypeError):
+        return set()
+
+
+def _remember_probe(seen: str) -> None:
+    try:
+        path = _probes_path()
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        known = sorted(_probes_remembered() | {seen})[-256:]
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(known, f)
+        os.replace(tmp, path)
+    except OSError:  # an optimization: never fail a compile for it
+        logging.getLogger("compiled_autograd").debug("could not remember a vector-ISA probe", exc_info=True)
+
+
+def _patch_codegen_free() -> None:
+    """NOTE [Freed, never reused]."""
+    from torch._inductor.codegen.wrapper import FreeLine, PythonWrapperCodegen
+    from torch._inductor.virtualized import V
+
+    original = PythonWrapperCodegen.codegen_free
+    if getattr(original, "_compiled_autograd", False):
+        return
+
+    def codegen_free(self, buffer):
+        name = buffer.get_name()
+        if name in getattr(V.graph, "_compiled_autograd_no_reuse", ()) and name not in self.freed:
+            self.freed.add(name)
+            self.writeline(FreeLine(self, buffer))
+            return
+        original(self, buffer)
+
+    codegen_free._compiled_autograd = True
+    PythonWrapperCodegen.codegen_free = codegen_free
+
+
+compiling_ours = threading.local()  # .active: this thread is compiling one of our graphs with inductor
+
+
+_background = threading.local()  # .active: this thread is one of our background compiles
+
+
+@contextlib.contextmanager
+def in_background():
+    """Mark this thread as one of our background compiles (NOTE [A background compile leaves
+    the random state alone]; the patch is installed when the first is scheduled)."""
+    _background.active = True
+    try:
+        yield
+    finally:
+        _background.active = False
+
+
+def _patch_preserve_rng_state() -> None:
+    """NOTE [A background compile leaves the random state alone]
+    AOTAutograd and inductor wrap their work in dynamo's `preserve_rng_state`: the global
+    generators' states are saved at the start and set back at the end. In the thread that
+    compiles, nothing else runs meanwhile. In our background compile the user's thread goes
+    on training, and its dropout masks and random draws of the 10 s a compile takes were
+    undone when it ended: the next steps drew the same numbers again, which eager never does
+    (found while testing the fuzzer in threads). Compiles run on fake tensors and draw no
+    random numbers (the test checks the user's stream is eager's), so in our background
+    threads that wrapper does nothing; everywhere else it is torch's. (Not exact under
+    max-autotune: inductor's autotuning benchmarks on random inputs, and those draws then
+    move the user's stream forward, where before the patch they moved it back.)"""
+    import sys
+
+    import torch._dynamo.utils as dynamo_utils
+
+    original = getattr(dynamo_utils, "preserve_rng_state", None)
+    if original is None or getattr(original, "_compiled_autograd", False):
+        return
+
+    @contextlib.contextmanager
+    def preserve_rng_state():
+        if getattr(_background, "active", False):
+            yield
+        else:
+            with original():
+                yield
+
+    preserve_rng_state._compiled_autograd = True
+    # (modules that imported the name, and dynamo's own, read at call time by the rest)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.") and getattr(module, "preserve_rng_state", None) is original:
+            module.preserve_rng_state = preserve_rng_state
+
+
+def _patch_mutation_renames() -> None:
+    """NOTE [Mutation renames after a loop recompute]
+    Inductor names a buffer that an op mutates (a scatter into a copy of zeros, as in
+    the backward of topk, max(dim), sort or kthvalue) anew after the mutation, and each
+    node that reads the result records the new name (`mutation_renames`), so that it is
+    scheduled after the mutation. torch 2.11-2.13's `SchedulerNode.recompute_size_and_body`
+    (run when the C++ backend fuses nodes of different loop sizes) recomputes a node's
+    reads from its loop body and applies those renames only when the node also has fake
+    dependencies. Otherwise the reader again depends on the buffer before the mutation,
+    may be ordered before it, and reads the copy without the scattered values: a wrong
+    gradient (found by the fuzzer: topk + repeat + layer_norm on one activation; the
+    graph run as is, or by aot_eager, was right). torch 2.14 applies the renames always;
+    so does this, for the graphs we compile, on releases before 2.14."""
+    from torch._inductor.dependencies import StarDep, WeakDep
+    from torch._inductor.scheduler import SchedulerNode
+
+    original = SchedulerNode.recompute_size_and_body
+    if getattr(original, "_compiled_autograd", False) or torch.torch_version.TorchVersion(torch.__version__) >= (2, 14):
+        return
+
+    def recompute_size_and_body(self, *args, **kwargs):
+        fake = any(isinstance(d, (WeakDep, StarDep)) for d in self.read_writes.reads)
+        original(self, *args, **kwargs)
+        if not fake and self.mutation_renames and getattr(compiling_ours, "active", False):
+            self.set_read_writes(self.read_writes.rename(self.mutation_renames))
+
+    recompute_size_and_body._compiled_autograd = True
+    SchedulerNode.recompute_size_and_body = recompute_size_and_body
+
+
+@contextlib.contextmanager
+def _size_class_agnostic_reductions():
+    """NOTE [One dynamic graph per size range]
+    Inductor's CPU code generator picks a summation helper for float sums by
+    guarding on `reduction size > 4096`. In a dynamic graph that guard splits
+    the sizes into two ranges, each needing its own compile. When the size is
+    symbolic and not known either way, we take the helper (cascade summation,
+    correct and precise for every size) instead of guarding."""
+    try:
+        import sympy
+        from torch._inductor.codegen.cpp import CppKernel
+        from torch._inductor.virtualized import V
+    except ImportError:  # pragma: no cover - other torch versions
+        yield
+        return
+    original = CppKernel.need_use_acc_helper
+
+    def need_use_acc_helper(self, reduction_type, dtype, use_scalar):
+        if reduction_type == "sum" and dtype == torch.float and self.call_ranges is not None:
+            size = functools.reduce(operator.mul, self.call_ranges[self.reduction_depth :], sympy.Integer(1))
+            sizevars = V.graph.sizevars
+            if not sizevars.statically_known_true(sympy.Le(size, 4096)):
+                return True
+        return original(self, reduction_type, dtype, use_scalar)
+
+    CppKernel.need_use_acc_helper = need_use_acc_helper
+    try:
+        yield
+    finally:
+        CppKernel.need_use_acc_helper = original
+
+
+@contextlib.contextmanager
+def _symbolic_range_simplification():
+    """NOTE [Indexing of dynamic reshapes]
+    A reshape that splits one dim and merges it with another (a transformer's
+    (s, 4*b, 16) -> (s, b, 64) around attention) is lowered by inductor as
+    flatten-then-unflatten: `(x3 + 64*x0) // 16 % (4*b)`. With static sizes the
+    modulo is dropped because the base provably stays below it; with a
+    symbolic `b` inductor cannot prove `x3 + 64*x0 < 64*b` from `x0 < b`,
+    keeps the divisions and modulos per element and does not vectorize the
+    kernel (2.5 ms against 0.5 ms). Before inductor's own simplification we
+    drop a `ModularIndexing(base, d, m)` (and a `FloorDiv(base, d)`) whose base
+    is a non-negative sum of products of loop variables, sizes and integers
+    whose largest value (each loop variable at its range's end) is provably
+    below `d*m` (below `d`: zero). Sound: it only removes operations that are
+    the identity (or zero) over the whole iteration space."""
+    try:
+        import sympy
+        from torch._inductor.sizevars import SizeVarAllocator
+        from torch.utils._sympy.functions import FloorDiv, ModularIndexing
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    original = SizeVarAllocator._simplify_with_ranges
+
+    def _simplify_with_ranges(self, expr, var_ranges):
+        if var_ranges and (expr.has(ModularIndexing) or expr.has(FloorDiv)):
+            expr = _drop_range_identities(self, expr, var_ranges, sympy, FloorDiv, ModularIndexing)
+        return original(self, expr, var_ranges)
+
+    SizeVarAllocator._simplify_with_ranges = _simplify_with_ranges
+    try:
+        yield
+    finally:
+        SizeVarAllocator._simplify_with_ranges = original
+
+
+def _drop_range_identities(sizevars, expr, var_ranges, sympy, FloorDiv, ModularIndexing):
+    known = sizevars.statically_known_true
+
+    def upper(e):
+        """An upper bound of e over the iteration space, if e >= 0 there; else None."""
+        if isinstance(e, sympy.Integer):
+            return e if e >= 0 else None
+        if isinstance(e, sympy.Symbol):
+            if e in var_ranges:
+                return var_ranges[e] - 1
+            return e if known(sympy.Ge(e, 0)) else None
+        if isinstance(e, (sympy.Add, sympy.Mul)):
+            parts = [upper(a) for a in e.args]
+            if any(p is None for p in parts):
+                return None
+            return sympy.Add(*parts) if isinstance(e, sympy.Add) else sympy.Mul(*parts)
+        if isinstance(e, ModularIndexing):
+            b, d, m = e.args
+            return m - 1 if upper(b) is not None and known(sympy.Gt(m, 0)) else None
+        if isinstance(e, FloorDiv):
+            b, d = e.args
+            ub = upper(b)
+            return FloorDiv(ub, d) if ub is not None and known(sympy.Gt(d, 0)) else None
+        return None
+
+    def below(base, bound):
+        ub = upper(base)
+        return ub is not None and known(sympy.Lt(ub, bound))
+
+    def visit_mod(base, divisor, modulus):
+        if below(base, divisor * modulus):
+            return FloorDiv(base, divisor)
+        return ModularIndexing(base, divisor, modulus)
+
+    def visit_div(base, divisor):
+        if below(base, divisor):
+            return sympy.S.Zero
+        return FloorDiv(base, divisor)
+
+    w = lambda n: sympy.Wild(n, integer=True)  # noqa: E731
+    if expr.has(ModularIndexing):
+        expr = expr.replace(ModularIndexing(w("base"), w("divisor"), w("modulus")), visit_mod)
+    if expr.has(FloorDiv):
+        expr = expr.replace(FloorDiv(w("base"), w("divisor")), visit_div)
+    return expr
+
+
+
+# -- engine queries -------------------------------------------------------------------------
+
+# answers `torch._C._will_engine_execute_node` for a graph of ours running its calls: set by
+# replay/calls.py (NOTE [Engine queries from hooks]); None for anything else (eager's answer)
+engine_query: Callable | None = None
+
+
+def _patch_will_engine_execute_node() -> None:
+    """NOTE [Engine queries from hooks] (replay/calls.py)."""
+    original = torch._C._will_engine_execute_node
+    if getattr(original, "_compiled_autograd", False):
+        return
+
+    def will_engine_execute_node(node):
+        answer = engine_query(node) if engine_query is not None else None
+        return original(node) if answer is None else answer
+
+    will_engine_execute_node._compiled_autograd = True
+    torch._C._will_engine_execute_node = will_engine_execute_node
+
+
+# -- the table ------------------------------------------------------------------------------
+
+IMPORT = "import"  # when compiled_autograd is imported
+BACKGROUND = "background compile"  # when a background compile is first scheduled
+INDUCTOR = "inductor compile"  # when inductor first compiles one of our graphs
+DYNAMIC_INDUCTOR = "dynamic inductor compile (scoped)"  # only while inductor compiles a dynamic graph of ours
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One patch of torch's internals."""
+
+    replaces: str  # what it replaces
+    why: str  # the NOTE that says why
+    releases: str  # the torch releases it was written for (and checked on)
+    still_needed: str  # how to tell it is still needed
+    when: str  # IMPORT, BACKGROUND, INDUCTOR: installed then, once; DYNAMIC_INDUCTOR: `scoped`
+    install: Callable  # installs it (or, scoped, a context manager that holds it)
+
+
+PATCHES = (
+    Patch(
+        "torch.fx Tracer.trace, _Patcher.patch/patch_method, and the code of is_fx_tracing / is_fx_symbolic_tracing",
+        "NOTE [One fx trace at a time]",
+        "2.13, 2.14 (the flag became thread-local after; the lock stays)",
+        "a capture beside a background compile fails with 'CURRENT_PATCHER is None' (tests/test_api.py threads)",
+        IMPORT,
+        _serialize_fx_traces,
+    ),
+    Patch(
+        "torch._C._will_engine_execute_node",
+        "NOTE [Engine queries from hooks] (replay/calls.py)",
+        "2.13",
+        "register_multi_grad_hook(mode='all') in a compiled graph never calls its function (tests/test_hooks.py)",
+        IMPORT,
+        _patch_will_engine_execute_node,
+    ),
+    Patch(
+        "torch._dynamo.convert_frame._compile",
+        "NOTE [One compile at a time]",
+        "2.13",
+        "a torch.compile'd training step beside a background compile fails: 'Expected current_level > 0'",
+        BACKGROUND,
+        serialize_dynamo_compiles,
+    ),
+    Patch(
+        "torch._dynamo.utils.preserve_rng_state (and the name in every torch.* module that imported it)",
+        "NOTE [A background compile leaves the random state alone]",
+        "2.13",
+        "dropout masks repeat after a background compile ends (tests/test_api.py)",
+        BACKGROUND,
+        _patch_preserve_rng_state,
+    ),
+    Patch(
+        "torch._inductor.codegen.wrapper.PythonWrapperCodegen.codegen_free",
+        "NOTE [Freed, never reused]",
+        "2.13",
+        "a tensor hook on every activation: peak memory 1.8x eager's (tests/test_memory.py)",
+        INDUCTOR,
+        _patch_codegen_free,
+    ),
+    Patch(
+        "torch._inductor.scheduler.SchedulerNode.recompute_size_and_body",
+        "NOTE [Mutation renames after a loop recompute]",
+        "2.11-2.13 (2.14 fixed it: not installed there)",
+        "topk's backward beside a layer norm reads a buffer before its scatter: a wrong gradient",
+        INDUCTOR,
+        _patch_mutation_renames,
+    ),
+    Patch(
+        "torch._inductor.cpu_vec_isa.VecISA._probe_load",
+        "NOTE [Remembered vector-ISA probes]",
+        "2.13",
+        "a warm process's first backward spends ~0.9 s probing ISAs (benchmarks/repro/disk_cache_sizes.py)",
+        INDUCTOR,
+        _remember_vec_isa_probes,
+    ),
+    Patch(
+        "torch._inductor.codegen.cpp.CppKernel.need_use_acc_helper",
+        "NOTE [One dynamic graph per size range]",
+        "2.13",
+        "a dynamic graph compiles twice across a reduction size of 4096 (tests/test_dynamic.py)",
+        DYNAMIC_INDUCTOR,
+        _size_class_agnostic_reductions,
+    ),
+    Patch(
+        "torch._inductor.sizevars.SizeVarAllocator._simplify_with_ranges",
+        "NOTE [Indexing of dynamic reshapes]",
+        "2.13",
+        "a dynamic transformer's reshape kernels keep their modulos: scalar, 5x slower (tests/test_dynamic.py)",
+        DYNAMIC_INDUCTOR,
+        _symbolic_range_simplification,
+    ),
+)
+
+_installed: set = set()
+_install_lock = threading.Lock()
+
+
+def install(when: str) -> None:
+    """Install the patches of this moment, once each."""
+    if when in _installed:
+        return
+    with _install_lock:
+        if when in _installed:
+            return
+        for patch in PATCHES:
+            if patch.when == when:
+                patch.install()
+        _installed.add(when)
+
+
+@contextlib.contextmanager
+def scoped(when: str = DYNAMIC_INDUCTOR):
+    """Hold the scoped patches of this moment for the length of the block."""
+    with contextlib.ExitStack() as stack:
+        for patch in PATCHES:
+            if patch.when == when:
+                stack.enter_context(patch.install())
+        yield
+
+
+install(IMPORT)

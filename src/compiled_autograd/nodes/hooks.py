@@ -1,0 +1,47 @@
+"""Hooks on nodes and tensors: one compiled_autograd::call per node step that has them, run at
+its eager position (NOTE [Opaque calls], replay/calls.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..capture.grads import _Value
+from ..replay import calls as ops
+
+
+def call(t, kind, idx, values: list, extra=()):
+    """One call of a node's hooks on the grads `values` (post hooks also get the
+    node's inputs, `extra`). A hook may return None for a grad (a module's full
+    backward hook blocking a gradient): the call then returns zeros and a False
+    flag, and the grad is defined iff it was before and the flag is set (NOTE
+    [Undefined grads of opaque nodes])."""
+    tensors = [v.t if v is not None else None for v in values]
+    # a hook's result is predicted in its grad's layout (dense: as empty_like lays it out)
+    metas = [ops.OutputMeta.like(t) if t is not None else None for t in tensors]
+    every = list(values) + list(extra)
+    # a tensor hook gets None for an undefined grad and cannot make a defined one
+    # undefined (returning None keeps it; giving a tensor for None raises in eager's
+    # hook code): what it returns is defined as its input was, and needs no flag (but a
+    # call with no tensor at all, where every grad is None, keeps its flag output: a
+    # compiler places a call by its tensors' device)
+    flags = kind != ops.TENSOR_PRE_HOOKS or all(t is None for t in tensors)
+    outs, flag = t._call(kind, idx, [v.t if v is not None else None for v in every], metas, flags=flags, values=every, keeps=True)
+    result, k = [], 0
+    for o, v in zip(outs, values):
+        if o is None:
+            result.append(None)
+            continue
+        if not flags:
+            result.append(_Value(o, v.bits, exact=True))
+            continue
+        if v.bits is None:
+            bits = ((flag, k),)
+        else:  # defined iff (any of v's flags) and this one
+            bits = ((torch.logical_and(t._defined(v.bits), flag[k]).reshape(1), 0),)
+        result.append(_Value(o, bits, exact=True))
+        k += 1
+    return result
+
+
+def post_hooks(t, idx, outputs, inputs):
+    return call(t, ops.POST_HOOKS, idx, outputs, inputs)

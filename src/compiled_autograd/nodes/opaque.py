@@ -1,0 +1,64 @@
+"""Opaque nodes: run as is inside the graph, one compiled_autograd::call each (C++ custom
+Functions, what cannot be traced, what enable(opaque=...) names); their outputs laid out as an
+eager backward showed (NOTE [Layouts of call outputs], replay/calls.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..capture.grads import _Value
+from ..replay import calls as ops
+from . import compiled_region
+
+
+def is_opaque(t, idx) -> bool:
+    n = t.nodes[idx]
+    if n.opaque or idx in t.opaque_extra:
+        return True
+    info = t.c.pynodes.get(idx)
+    return info is not None and info.opaque_reason is not None
+
+
+def may_read_grads(t, idx) -> bool:
+    """Whether an opaque node may run code that reads a `.grad` (so AccumulateGrad runs at its
+    eager position): a custom Function's backward or a C++ node we know nothing of may; a
+    built-in formula (marked opaque, or not traceable on fakes) does not, nor does the
+    backward AOTAutograd compiled for a torch.compile'd forward (a compiled graph of aten
+    ops between its prologue and epilogue)."""
+    if idx in t.c.pynodes:
+        return not compiled_region.is_compiled_function(t.capture.node_object(idx)._forward_cls)
+    return bool(t.nodes[idx].opaque)
+
+
+def reason(t, idx) -> str:
+    n = t.nodes[idx]
+    if n.opaque:
+        return n.opaque_reason
+    if idx in t.opaque_extra:
+        return t.opaque_extra[idx]
+    return t.c.pynodes[idx].opaque_reason
+
+
+def trace(t, idx, values):
+    edges, edge_sizes = t.nodes[idx].edges, t.nodes[idx].edge_sizes
+    metas = []
+    for k, ((to, nr), pos) in enumerate(zip(edges, edge_sizes)):
+        m = None
+        md = t.capture.input_metadata(to)[nr] if to >= 0 else None
+        if md is not None:
+            # the output's shape, symbolic where the edge's metadata sizes are; laid out
+            # as an eager backward showed (NOTE [Layouts of call outputs], replay/calls.py)
+            shape, dtype, device = md
+            dims = [v if t.sym_sizes[pos + d] is None else t.sym_sizes[pos + d] for d, v in enumerate(shape)]
+            m = t._seen_layout(ops.OutputMeta.dense(dims, dtype, torch.device(device)), t.layouts.get(("node", idx, k)))
+        metas.append(m)
+    tensors = [v.t if v is not None else None for v in values]
+    outs, flag = t._call(ops.NODE, idx, tensors, metas, flags=True, values=values)
+    result, k = [], 0
+    for o in outs:
+        if o is None:
+            result.append(None)
+        else:
+            result.append(_Value(o, ((flag, k),), exact=True))
+            k += 1
+    return result
