@@ -189,7 +189,7 @@ def _secret() -> bytes | None:
 def _version() -> bytes:
     h = hashlib.sha256()
     h.update(torch.__version__.encode())
-    h.update(native._SOURCE.read_bytes())
+    h.update(native.source_bytes())
     # the code that writes a graph and its plan, and the code that reads and runs them
     for name in ("trace.py", "collect.py", "ops.py", "runtime.py", "backends.py"):
         h.update((Path(__file__).parent / name).read_bytes())
