@@ -12,7 +12,6 @@
 
 #include "values.h"
 
-#include <torch/extension.h>
 #include <torch/version.h>
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>

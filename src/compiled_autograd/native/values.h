@@ -5,7 +5,8 @@
 // constants below, never a bare index.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
 #include <vector>
