@@ -191,7 +191,7 @@ def _secret() -> bytes | None:
 def _version() -> bytes:
     h = hashlib.sha256()
     h.update(torch.__version__.encode())
-    h.update(native._SOURCE.read_bytes())
+    h.update(native.source_bytes())
     # the code that writes a graph and its plan, and the code that reads and runs them: all of it
     for f in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):
         h.update(f.read_bytes())

@@ -1,4 +1,4 @@
-"""Loader for the C++ helper (`_C.cpp`).
+"""Loader for the C++ helper (the `SOURCES` here; module.cpp has its overview).
 
 The helper is built against the installed torch's headers the first time it is
 needed (about 20 s with g++ and ninja), then loaded from a per-user cache keyed
@@ -31,7 +31,13 @@ import torch
 
 log = logging.getLogger("compiled_autograd")
 
-_SOURCE = Path(__file__).with_name("_C.cpp")
+_HERE = Path(__file__).parent
+# every file the helper is built from, by stage (module.cpp's overview), all of which name the
+# build (and the disk cache's version); helper.cpp, which includes the .cpp files, is compiled
+SOURCES = tuple(
+    _HERE / name
+    for name in ("values.h", "capture.h", "collect.cpp", "trace.cpp", "calls.cpp", "module.cpp", "helper.cpp")
+)
 _module = None
 _error: str | None = None  # why the helper is unavailable in this process (it is not retried)
 
@@ -66,9 +72,14 @@ def cache_root() -> Path:
     return Path(xdg) / "compiled_autograd"
 
 
+def source_bytes() -> bytes:
+    """The helper's sources, each after its name, in `SOURCES`' order."""
+    return b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in SOURCES)
+
+
 def _build_name() -> str:
     h = hashlib.sha256()
-    h.update(_SOURCE.read_bytes())
+    h.update(source_bytes())
     h.update(torch.__version__.encode())
     h.update(sys.version.encode())
     return "compiled_autograd_native_" + h.hexdigest()[:12]
@@ -114,12 +125,12 @@ def _load():
             log.debug("could not import the built helper, rebuilding", exc_info=True)
     else:
         print(
-            f"compiled_autograd: building the native helper once (~20 s) in {build_dir}",
+            f"compiled_autograd: building the native helper once (~45 s on 2 cores) in {build_dir}",
             file=sys.stderr,
         )
     _module = cpp_extension.load(
         name=name,
-        sources=[str(_SOURCE)],
+        sources=[str(_HERE / "helper.cpp")],
         build_directory=str(build_dir),
         extra_cflags=["-O2"],
         verbose=False,
