@@ -110,7 +110,7 @@ def test_create_graph_runs_a_region_as_is():
         assert got.requires_grad == want.requires_grad
     s = ca.stats()
     assert (s.captures, s.eager_fallbacks) == (0, 2), s
-    assert s.fallback_reasons["create_graph=True with an opaque node"] == 2, s.fallback_reasons
+    assert s.fallback_details["create_graph=True with an opaque node"] == 2, s.fallback_details
 
 
 def test_an_inductor_compiled_region():
@@ -197,7 +197,7 @@ def test_a_region_whose_backward_graph_has_as_strided_runs_as_is():
         assert_grads_equal([w.grad], [want], what=f"step {step}", exact=True)
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
-    assert any("as_strided" in r for r in s.opaque_reasons), s.opaque_reasons
+    assert any("as_strided" in r for r in s.opaque_details), s.opaque_details
 
 
 def test_retain_graph_through_a_region_with_donated_buffers_raises_as_eager():

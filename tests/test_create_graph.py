@@ -207,7 +207,7 @@ def test_once_differentiable_function_falls_back_and_raises_as_eager():
     # it runs in eager autograd to learn the node's output layouts (NOTE [Layouts of call
     # outputs]) and raises there, as eager does, uncounted; the last one is captured
     assert (s.captures, s.learning_backwards, s.eager_fallbacks) == (1, 0, 2), s
-    assert any("cannot differentiate twice" in r for r in s.fallback_reasons), s.fallback_reasons
+    assert any("cannot differentiate twice" in r for r in s.fallback_details), s.fallback_details
     with pytest.raises(ca.CompiledAutogradError, match="differentiate twice"):
         with ca.enable("eager", fullgraph=True):
             torch.autograd.grad(_Once.apply(x), x, grad_outputs=v, create_graph=True)
@@ -286,7 +286,7 @@ def test_hooks_with_create_graph_fall_back():
         torch.testing.assert_close(gg, 12 * x.detach())
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (0, 0, 2), s
-    assert s.fallback_reasons["create_graph=True with hooks"] == 2
+    assert s.fallback_details["create_graph=True with hooks"] == 2 and s.fallback_reasons["create_graph"] == 2
 
 
 def test_saved_tensor_hooks_with_create_graph_fall_back_before_running_them():
@@ -310,7 +310,7 @@ def test_saved_tensor_hooks_with_create_graph_fall_back_before_running_them():
         torch.testing.assert_close(gg, 6 * x.detach())
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (0, 0, 2), s
-    assert s.fallback_reasons["create_graph=True with saved-tensor hooks"] == 2
+    assert s.fallback_details["create_graph=True with saved-tensor hooks"] == 2
 
 
 def test_inductor_gradient_penalty():

@@ -289,7 +289,7 @@ class _ScaledByTensor(nn.Module):
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_lifted_scalar_tensors_keep_a_graph_dynamic(backend):
-    # NOTE [No item symbols for lifted scalars] (capture/trace.py): they got `.item()` symbols, which
+    # NOTE [No item symbols for lifted scalars] (capture/fakes.py): they got `.item()` symbols, which
     # AOTAutograd's float-tensorify pass answered by asking for a restart: every dynamic
     # capture failed (a new static capture per size, or an error with fullgraph=True)
     shapes = [(b, 16) for b in (3, 5, 7, 9)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -276,3 +278,36 @@ def test_a_tensor_hooks_result_becomes_grad_as_in_eager(backend, hook, extra):
     for seed in (1, 2):
         (want_same, want), (got_same, got) = job(False, seed), job(True, seed)
         assert got_same == want_same and torch.equal(got, want)
+
+
+# -- reasons ----------------------------------------------------------------------------------
+
+
+def test_reasons_are_a_fixed_set_of_kinds_with_details():
+    """NOTE [Reasons are kinds with details]: the counters' keys are kinds from a documented
+    table, whatever the texts; the texts are details, bounded in number."""
+    from compiled_autograd.observe import reasons
+
+    kinds = {k.name for k in reasons.FALLBACKS}
+    x = torch.randn(3, requires_grad=True)
+    with torch.autograd.detect_anomaly(), ca.enable("eager"):
+        (x * 2).sum().backward()
+
+    def broken(gm, example_inputs):
+        raise ValueError(f"backend broke on {[tuple(t.shape) for t in example_inputs]}")  # a new text per graph
+
+    for n in range(1, 4):
+        w = torch.randn(n, requires_grad=True)
+        with ca.enable(broken):
+            (w * w).sum().backward()
+    s = ca.stats()
+    assert set(s.fallback_reasons) == {"anomaly mode", "capture failed"} <= kinds | {"capture failed"}, s.fallback_reasons
+    # (the third is not traced: two failures of one key mark it, with the last reason)
+    assert s.fallback_reasons["capture failed"] == 3 and len([d for d in s.fallback_details if "backend broke" in d]) == 2
+    assert reasons.classify("a made-up text", reasons.OPAQUES) == "other"
+    details: Counter = Counter()
+    for i in range(reasons.MAX_DETAILS + 10):
+        reasons.count(Counter(), details, f"detail {i}", reasons.OPAQUES)
+    assert len(details) == reasons.MAX_DETAILS + 1 and details["other: (other details)"] == 10
+    report = ca.explain(file=None)
+    assert "eager fallback x3: capture failed" in report and "x1: anomaly mode" not in repr(report)

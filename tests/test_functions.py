@@ -298,7 +298,7 @@ def test_untraceable_backwards_run_opaquely_and_correctly():
         return (y * x).sum(), [x]
 
     observe(build, n_opaque=2)
-    assert any("DataDependentBackward" in r for r in ca.stats().opaque_reasons)
+    assert any("DataDependentBackward" in r for r in ca.stats().opaque_details)
 
 
 def test_opaque_node_returning_none_keeps_grad_none():
@@ -403,7 +403,7 @@ def test_a_function_keeping_a_tensor_without_data_runs_opaquely():
 
     # the first backward learns the opaque nodes' output layouts in eager (NOTE [Layouts of call outputs])
     observe(build, n_opaque=2, steps=3, learning=1)
-    reasons = ca.stats().opaque_reasons
+    reasons = ca.stats().opaque_details
     assert reasons["_SavesAZeroTensorBackward: a lifted tensor without data"] == 2, reasons
     assert reasons["_KeepsAMetaTensorBackward: a meta tensor among the lifted tensors"] == 2, reasons
 
@@ -425,7 +425,8 @@ def test_an_unpack_hook_returning_a_sparse_tensor_falls_back():
     # the first backward learns (in eager) that the hook returns what cannot be predicted; the
     # next ones unpack it up front, and cannot lift it
     assert (s.captures, s.learning_backwards, s.eager_fallbacks) == (0, 1, 2), s
-    assert s.fallback_reasons["saved-tensor hook returned a non-strided lifted tensor"] == 2
+    assert s.fallback_details["saved-tensor hook returned a non-strided lifted tensor"] == 2
+    assert s.fallback_reasons["unliftable tensor"] == 2
 
 
 def test_a_packed_tensor_of_another_shape_is_not_predicted_from_the_last():
@@ -754,7 +755,7 @@ def test_functions_under_aot_eager_and_hooks_together():
     # backward reads that tensor as the hook's call returns it, ordered after the hook (NOTE
     # [Hooks may change what the graph reads]); DataDependent's backward is opaque
     observe(build, backend="aot_eager", n_opaque=1)
-    assert not any(r.startswith("ScaleBackward") for r in ca.stats().opaque_reasons)
+    assert not any(r.startswith("ScaleBackward") for r in ca.stats().opaque_details)
 
 
 class SavesNone(torch.autograd.Function):
@@ -860,7 +861,7 @@ def test_a_backward_that_reads_python_state_sees_its_current_value(kind):
     else:
         assert s.opaque_nodes == 3 and (s.captures, s.hits, s.learning_backwards) == (1, 2, 1), s
         # "node: reason", the node named once
-        (reason,) = s.opaque_reasons
+        (reason,) = s.opaque_details
         name = {"global": "_GlobalScaleBackward", "list": "_GlobalListScaleBackward", "module": "_ModuleScaleBackward"}[kind]
         assert reason.startswith(f"{name}: ") and reason.count(name) == 1, reason
 
@@ -934,7 +935,7 @@ def test_a_backward_that_writes_a_global_runs_opaquely():
     s = ca.stats()
     # the first backward learns the opaque node's output layouts in eager (NOTE [Layouts of call outputs])
     assert (s.learning_backwards, s.captures, s.hits, s.opaque_nodes) == (1, 1, 1, 2), s
-    (reason,) = s.opaque_reasons
+    (reason,) = s.opaque_details
     assert "a write to global _CALLS" in reason, reason
 
 
@@ -1084,7 +1085,7 @@ def test_a_global_tensor_a_trace_cannot_swap_runs_opaquely(fn):
         # output layouts in eager: NOTE [Layouts of call outputs])
         learning = 1 if fn is _GlobalTensorInHelper else 0
         assert (s.learning_backwards, s.captures, s.hits, s.opaque_nodes, s.eager_fallbacks) == (learning, 1, 2 - learning, 3 - learning, 0), s
-        (reason,) = s.opaque_reasons
+        (reason,) = s.opaque_details
         assert ("_times_kernel" in reason) if fn is _GlobalTensorInHelper else ("changes in place" in reason), reason
     finally:
         _KERNEL.copy_(saved)
@@ -1142,7 +1143,7 @@ def test_a_function_whose_ctx_value_changes_every_step_stops_being_recaptured():
     # backward in eager that learns its output layouts (NOTE [Layouts of call outputs]), a
     # capture, then hits
     assert (s.captures, s.learning_backwards, s.hits) == (CHURN_LIMIT + 2, 1, steps - CHURN_LIMIT - 3), s
-    (reason,) = s.opaque_reasons
+    (reason,) = s.opaque_details
     assert reason.startswith("_ReverseGradBackward: its ctx values") and s.opaque_nodes == steps - CHURN_LIMIT - 2, s
 
 

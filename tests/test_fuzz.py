@@ -173,7 +173,7 @@ def test_a_boolean_mask_index_in_a_grad_formula_compiles(backend):
 def test_a_mutated_buffer_read_after_a_loop_recompute_under_inductor():
     # found by the fuzzer (inductor, seed 20): topk's backward scatters into a copy of zeros,
     # and the add that reads the result was ordered before the scatter once the C++ backend
-    # had recomputed its loops (NOTE [Mutation renames after a loop recompute], compile/backends.py)
+    # had recomputed its loops (NOTE [Mutation renames after a loop recompute], compile/torch_patches.py)
     from helpers import parity
 
     g = torch.Generator().manual_seed(0)

@@ -812,7 +812,7 @@ def test_the_root_runs_its_tensor_hooks_when_it_leads_to_no_input(root):
 def test_hooks_run_in_eagers_order_under_inductor():
     # post-accumulate hooks on every parameter, no data between them: inductor ran a call
     # whose outputs were needed early before the one traced ahead of it (the ORDERED
-    # effect's dependency was lost: NOTE [Calls run in eager's order], compile/backends.py)
+    # effect's dependency was lost: NOTE [Calls run in eager's order], compile/inductor.py)
     def build(log, step):
         net = nn.Sequential(*[m for _ in range(2) for m in (nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8))])
         for name, p in net.named_parameters():
@@ -899,7 +899,7 @@ def test_a_backward_that_changes_a_tensor_on_its_ctx_runs_in_place(backend):
         return (y * p).sum(), [x, p]
 
     observe(build, backend=backend, n_opaque=1, background=False)
-    assert any("changes in place a tensor it saved or keeps on ctx" in r for r in ca.stats().opaque_reasons)
+    assert any("changes in place a tensor it saved or keeps on ctx" in r for r in ca.stats().opaque_details)
 
 
 class _UsesGradOnCtx(torch.autograd.Function):

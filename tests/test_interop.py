@@ -2,7 +2,7 @@
 
 A node type's functional form is bound once per process, by whichever compiled
 autograd traces it first (NOTE [Sharing functionals with torch's compiled
-autograd], native/_C.cpp). Which one that is depends on everything the process
+autograd], native/trace.cpp). Which one that is depends on everything the process
 did before, so each order runs in a fresh interpreter.
 """
 

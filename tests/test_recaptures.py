@@ -174,4 +174,5 @@ def test_reentrant_checkpoint_with_a_new_closure_each_step_captures_once(closure
     # grads (NOTE [Layouts of call outputs]), then 1 capture, 2 hits; the backward the
     # checkpoint runs inside it, when it recomputes the block, is compiled too: 1 capture, 3 hits
     assert (s.learning_backwards, s.captures, s.hits, s.eager_fallbacks) == (1, 2, 5, 0), s
-    assert s.opaque_reasons == {f"CheckpointFunctionBackward: {REENTRANT_CHECKPOINT}": 3}, s.opaque_reasons
+    assert s.opaque_details == {f"CheckpointFunctionBackward: {REENTRANT_CHECKPOINT}": 3}, s.opaque_details
+    assert s.opaque_reasons == {"reentrant checkpoint": 3}, s.opaque_reasons

@@ -10,9 +10,8 @@ import contextvars
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Union
 
-BackendLike = Union[str, Callable]
+from .values import BackendLike
 
 
 def _backends() -> dict:

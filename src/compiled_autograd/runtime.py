@@ -25,10 +25,10 @@ from .cache.memory import CACHE
 from .compile import background
 from .config import Config
 from .errors import BackendOutputError, CompiledAutogradError, Fallback
-from .observe import captures
+from .observe import captures, reasons
 from .observe.stats import LOCK, STATS
 from .replay.run import GCPause, apply, check_outputs, run_graph
-from .values import BOXED
+from .values import BOXED, CacheKey
 from .errors import Unkeyable
 from .nodes.function import CHURN, CHURN_LIMIT
 from .nodes.saved_tensors import Learn
@@ -72,7 +72,7 @@ def _fall_back(cfg: Config, reason: str, eager: Callable[[], Any], user_error: b
     result = eager()  # eager raises the user's error itself where there is one
     with LOCK:
         STATS.eager_fallbacks += 1
-        STATS.fallback_reasons[reason] += 1
+        reasons.count(STATS.fallback_reasons, STATS.fallback_details, reason, reasons.FALLBACKS)
     if reason not in _warned:
         _warned.add(reason)
         warnings.warn(f"compiled_autograd: running a backward in eager autograd: {reason}", stacklevel=4)
@@ -135,7 +135,7 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
             return _fall_back(cfg, reason, eager, user_error)
         return learned.learn_in_eager(collected, eager)
 
-    key = (cfg.backend_key, global_state(), cfg.opaque, create_graph, collected.key)
+    key = CacheKey(cfg.backend_key, global_state(), cfg.opaque, create_graph, collected.key)
     reason = _unsupported.get(key) if _unsupported else None
     fam = CACHE.family(key)
     if create_graph and reason is None and fam is None:
@@ -257,7 +257,7 @@ class _OneBackward:
             # references to the saved tensors, and frees each after its last
             # use, once the nodes' saved variables are freed too: before the graph,
             # or after the last call that may read them (NOTE [Saved tensors freed as
-            # eager frees them], capture/trace.py; an unpack hook's packed value is held by
+            # eager frees them], values.py; an unpack hook's packed value is held by
             # `collected.hooks`)
             args = self.lifted + self.extra
             self.lifted.clear()
@@ -321,7 +321,7 @@ class _OneBackward:
             with LOCK:
                 STATS.opaque_nodes += len(entry.plan.opaque)
                 for _, name, why in entry.plan.opaque:
-                    STATS.opaque_reasons[f"{name}: {why}"] += 1
+                    reasons.count(STATS.opaque_reasons, STATS.opaque_details, why, reasons.OPAQUES, f"{name}: {why}")
         self.lifted = self.collected = None
         captured = apply(entry, capture, results)
         del results

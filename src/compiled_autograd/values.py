@@ -13,13 +13,16 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence, Union
 
 import torch
 
 
+BackendLike = Union[str, Callable]  # a registered backend's name, or a callable(gm, example_inputs) -> callable
+
+
 class NodeKind(enum.IntEnum):
-    """How the native walker classed a node (native/_C.cpp `enum Kind`)."""
+    """How the native walker classed a node (native/values.h `enum Kind`)."""
 
     GENERIC = 0  # implements torch's compiled-autograd interface: traced through apply_with_saved
     ACCUMULATE = 1  # AccumulateGrad
@@ -63,6 +66,28 @@ class NodeRow(NamedTuple):
             NodeRow(name, NodeKind(kind), execute, opaque, reason, tuple(edges), tuple(caps), Hooks(*hooks), n, tuple(sizes), start)
             for name, kind, execute, opaque, reason, edges, caps, hooks, n, sizes, start in capture.nodes()
         )
+
+
+class GraphKey(NamedTuple):
+    """What a backward's graph is, for the cache (walk/collect.py): with its sizes, a static
+    graph; a dynamic graph matches the key, the sizes it keeps static, and its guards."""
+
+    native: bytes  # the native walk's key: structure, constants, edges' metadata, lifted tensors
+    functions: tuple  # (node index, FunctionKey) per custom Function node
+    unpacked: tuple  # per hooked saved tensor: its lifted index (unpacked up front), or -1 (in the graph)
+    in_graph: tuple  # an InGraph per saved tensor unpacked in the graph
+    extra: tuple  # the metadata of the tensors only Python lifts
+    grad_on_ctx: bool  # a leaf's .grad this backward accumulates into is kept on ctx
+
+
+class CacheKey(NamedTuple):
+    """The key of the cache: the graph and what else its compiled code bakes in."""
+
+    backend: object  # Config.backend_key: the backend and its options
+    global_state: tuple  # walk/precheck.py global_state(): what a formula may branch on
+    opaque: tuple  # enable(opaque=...)
+    create_graph: bool
+    graph: GraphKey
 
 
 class NodeSummary(NamedTuple):
@@ -128,7 +153,7 @@ class CallArgs(NamedTuple):
 DEFINEDNESS = 1  # the call also returns which of its outputs are defined
 KEEPS_INPUTS = 2  # an output may be one of its unshared inputs: their buffers are never reused
 # set on every call: our inductor lowering frees the buffers it keeps from reuse at their last
-# use (NOTE [Freed, never reused], compile/backends.py); code compiled before that had no such bit
+# use (NOTE [Freed, never reused], compile/inductor.py); code compiled before that had no such bit
 FREED_NOT_REUSED = 16
 # set on every call: inductor's code calls it directly, not through the dispatcher
 # (backends._register_inductor_lowering); code compiled before calls the op
@@ -137,7 +162,7 @@ DIRECT = 32
 # grad]): inductor's lowering keeps its buffer from reuse (compile/backends.py)
 HANDS_OVER = 64
 # flags >> PASSES_SHIFT: how many of its last arguments the call also returns, as its last
-# outputs (graph inputs read after it: NOTE [Hooks may change what the graph reads], capture/trace.py)
+# outputs (graph inputs read after it: NOTE [Hooks may change what the graph reads], capture/passes.py)
 PASSES_SHIFT = 8
 
 # slot kinds
@@ -253,6 +278,22 @@ def decode_meta(meta: Sequence) -> list[OutputMeta]:
         out.append(OutputMeta(shape, _DTYPES[dtype], _device(device), strides, _LAYOUTS[layout]))
         pos += 2 * rank
     return out
+
+
+class ReplayFrame(NamedTuple):
+    """What the calls of one running graph resolve against (replay/calls.py `replaying`; the
+    native helper reads it by values.h's field indices)."""
+
+    capture: object  # the backward's collected graph (the native GraphCapture)
+    slots: tuple  # the plan's Slots
+    outside: object  # the dispatch keys the backward call excluded (calls run with them)
+    hooks: object  # (unpack_hook, packed, learned key) per hooked saved tensor, for UNPACK calls
+    steal: object  # None, or the graph inputs' storages when AccumulateGrad may steal (NOTE [Stealing a fresh grad])
+    keep: bool  # the compiled code never writes into a call's inputs (NOTE [Outputs the graph owns])
+    versions: object  # slot -> saved tensors' versions it checks (NOTE [Hooks may change what the graph reads])
+    ctx: object  # slot -> custom Functions' ctx snapshots checked after it (Plan.ctx_checks)
+    releases: object  # slot -> nodes whose saved variables are freed after it
+    observed: object  # (slot, output) -> layout of an output copied into the traced one
 
 
 # -- the plan of a captured graph --------------------------------------------------

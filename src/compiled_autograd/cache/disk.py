@@ -202,16 +202,14 @@ def _version() -> bytes:
 def portable_key(key, sizes) -> bytes | None:
     """A byte string naming a static graph -- its key and its sizes -- across
     processes, or None if it cannot."""
-    backend, global_state, opaque, create_graph, collected_key = key
-    if not isinstance(backend, str):
+    if not isinstance(key.backend, str) or key.graph.functions:  # (custom Function nodes: user code)
         return None
-    native_key, *python_parts = collected_key
-    if python_parts and python_parts[0]:  # custom Function nodes
-        return None
+    graph = key.graph
     h = hashlib.sha256()
     h.update(_version())
-    h.update(repr((backend, tuple(str(s) for s in global_state), opaque, create_graph, python_parts)).encode())
-    h.update(native_key)
+    python_parts = [graph.unpacked, graph.in_graph, graph.extra, graph.grad_on_ctx]
+    h.update(repr((key.backend, tuple(str(s) for s in key.global_state), key.opaque, key.create_graph, python_parts)).encode())
+    h.update(graph.native)
     h.update(repr(tuple(sizes)).encode())
     return h.digest()
 

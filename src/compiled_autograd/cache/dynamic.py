@@ -1,5 +1,5 @@
 """The dynamic-shape policy: which sizes of a capture become symbols (NOTE [One symbol per
-size class] in capture/trace.py for how)."""
+size class] in capture/fakes.py for how)."""
 
 from __future__ import annotations
 

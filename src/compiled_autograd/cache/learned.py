@@ -18,7 +18,7 @@ log = logging.getLogger("compiled_autograd")
 
 
 def learn_in_eager(learn: Learn, eager: Callable[[], Any]):
-    """NOTE [Unpack metadata learned from the last backward] (walk/collect.py): this backward runs
+    """NOTE [Unpack metadata learned from the last backward] (nodes/saved_tensors.py): this backward runs
     in eager autograd, its user unpack hooks reporting what they return (`learn_unpacks`, before
     the capture let go of the graph); the next one of this graph and sizes is compiled."""
     log.info("eager backward to learn what %d saved-tensor unpack hooks return", len(learn.keys))

@@ -7,7 +7,7 @@ with the same key form a `Family`:
     every other position equals its recorded value and its guards (what the
     symbolic trace and the compiler assumed about the sizes) hold.
 The key covers every value a traced graph bakes in (NOTE [One key per graph]
-in native/_C.cpp); a guard failure is a miss, never a wrong graph.
+in native/collect.cpp); a guard failure is a miss, never a wrong graph.
 """
 
 from __future__ import annotations

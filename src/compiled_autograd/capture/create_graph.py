@@ -134,7 +134,7 @@ def _constants(nodes: list, backward: set) -> set:
     kernels of ops on it trace copies of their arguments to the meta device). Both graphs
     compute these themselves instead of the vjp graph reading them from the forward's: a
     ZeroTensor or a meta tensor must not become a graph's input (NOTE [Lifted tensors
-    without data], walk/collect.py). Not random ones (computed twice, they would differ), nor
+    without data], native/collect.cpp). Not random ones (computed twice, they would differ), nor
     anything an op writes to."""
     written = set()
     for n in nodes:

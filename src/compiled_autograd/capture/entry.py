@@ -9,7 +9,8 @@ import time
 from ..cache.memory import CompiledBackward, Dynamic
 from ..compile.background import compile_in_background
 from ..compile import backends
-from ..compile.backends import may_steal, static_fakes
+from ..compile.backends import may_steal
+from ..compile.boxed import static_fakes
 from ..config import Config
 from ..errors import Fallback
 from ..observe.captures import describe_dynamic, log_capture, node_keys
@@ -176,7 +177,7 @@ def _unpacked_up_front(collected) -> dict:
 def _static_fakes(tensors):
     """Fake copies for a static graph's background compile (no reference to the user's
     tensors): static shapes, in a mode with a ShapeEnv for inductor's FX graph cache
-    (NOTE [Inductor's FX graph cache for our graphs], compile/backends.py)."""
+    (NOTE [Inductor's FX graph cache for our graphs], compile/boxed.py)."""
     return static_fakes(tensors)[1]
 
 

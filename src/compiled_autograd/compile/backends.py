@@ -23,38 +23,9 @@ from typing import Callable, Sequence
 import torch
 
 from ..replay import calls as ops
-from ..config import BackendLike
-from ..values import BOXED
+from ..values import BOXED, BackendLike
+from .boxed import _boxed_graph_module, _direct_calls_nop, compile_on_static_fakes
 from .torch_patches import compile_lock
-
-
-
-def _with_effects_direct(token, op, *args, **kwargs):
-    return (token, ops.direct(*args, **kwargs))
-
-
-def _direct_calls(graph: torch.fx.Graph) -> None:
-    """Our calls in a graph we run as generated Python code go straight to the kernel
-    (ops.call_direct): no dispatcher, and no `with_effects` higher-order op, whose Python
-    dispatch (pytree flattening of the arguments, a new token tensor per call) cost about
-    60 us a call, half a hook call's time. The call stays where the graph has it, and the
-    graph runs in order (the token only threads that order through)."""
-    op = torch.ops.compiled_autograd.call.default
-    for n in graph.nodes:
-        if n.op != "call_function":
-            continue
-        if n.target is op:
-            n.target = ops._native().call_direct
-        elif n.target is torch.ops.higher_order.with_effects and len(n.args) > 1 and n.args[1] is op:
-            n.target = _with_effects_direct
-
-
-def _direct_calls_nop(fx_g: torch.fx.GraphModule, example_inputs):
-    """aot_eager's compiler (boxed_nop), with our calls direct (_direct_calls)."""
-    from torch._dynamo.backends.debugging import boxed_nop
-
-    _direct_calls(fx_g.graph)
-    return boxed_nop(fx_g, example_inputs)
 
 
 @dataclass(frozen=True)
@@ -129,75 +100,3 @@ def may_steal(backend: BackendLike) -> bool:
     return isinstance(backend, str) and BACKENDS[backend].steals
 
 
-def _boxed_graph_module(gm: torch.fx.GraphModule) -> Callable:
-    """The FX graph itself, run with the boxed calling convention (a copy of
-    `gm`: the captured graph keeps its readable signature for dump())."""
-    try:
-        from torch.fx.graph import _BoxedCodeGen
-    except ImportError:  # pragma: no cover - other torch versions
-        return gm
-    graph = copy.deepcopy(gm.graph)
-    _direct_calls(graph)
-    graph.set_codegen(_BoxedCodeGen())
-    boxed = torch.fx.GraphModule(gm, graph)
-    setattr(boxed, BOXED, True)
-    return boxed
-
-
-def _as_is(flat_args):
-    return flat_args
-
-
-def compile_on_static_fakes(compile: Callable, gm: torch.fx.GraphModule, example_inputs: Sequence, static: bool) -> Callable:
-    """Compile a static graph against static fakes of a mode with a ShapeEnv, in a tracing
-    context (`_static_fake_mode`); anything else, or inputs it cannot take, as given."""
-    fake = _static_fake_mode(example_inputs) if static else None
-    if fake is None:
-        return _compile_boxed(compile, gm, example_inputs)
-    mode, fakes = fake
-    with torch._guards.tracing(torch._guards.TracingContext(mode)):
-        return _compile_boxed(compile, gm, fakes)
-
-
-def _compile_boxed(compile: Callable, gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
-    try:
-        from torch._dynamo.utils import GmWrapper
-    except ImportError:  # pragma: no cover - other torch versions
-        return compile(gm, list(example_inputs))
-    fn = compile(GmWrapper(gm, _as_is), list(example_inputs))
-    setattr(fn, BOXED, True)
-    return fn
-
-
-def _static_fake_mode(example_inputs: Sequence):
-    """NOTE [Inductor's FX graph cache for our graphs]
-    Inductor stores the code it generates for a graph in its FX graph cache, and a
-    later process with the same graph skips lowering and codegen (and g++). It only
-    does when the compile runs in a tracing context whose fake mode has a ShapeEnv
-    (its guards live there); compile_fx called on real tensors makes a fake mode
-    without one, and the cache was bypassed ("No shape env"): a warm process spent
-    2-3 s per graph regenerating code. A static graph is compiled against fakes of a
-    mode with a ShapeEnv and static shapes: no symbol is made, so the cache's guards
-    are trivially true (and AOT's float-tensorify pass finds no float symbol to
-    restart on). Returns that mode and the fakes, or None when the inputs are not all
-    real tensors or all fakes of one mode with a ShapeEnv (then compile as before)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
-    fakes = [t for t in tensors if isinstance(t, FakeTensor)]
-    if fakes:
-        mode = fakes[0].fake_mode
-        ok = len(fakes) == len(tensors) and mode.shape_env is not None and all(t.fake_mode is mode for t in fakes)
-        return (mode, list(example_inputs)) if ok else None
-    return static_fakes(example_inputs)
-
-
-def static_fakes(values):
-    """(mode, static fakes of `values`' tensors, the rest as is), in a mode with a ShapeEnv."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    from ..capture.fakes import fakeable
-
-    mode = FakeTensorMode(shape_env=ShapeEnv())
-    return mode, [mode.from_tensor(fakeable(t), static_shapes=True) if isinstance(t, torch.Tensor) else t for t in values]

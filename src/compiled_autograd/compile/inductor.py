@@ -10,7 +10,7 @@ import torch
 
 from ..replay import calls as ops
 from . import torch_patches
-from .backends import compile_on_static_fakes
+from .boxed import compile_on_static_fakes
 
 
 def compile_inductor(gm, example_inputs, dynamic: bool, patches: dict | None):

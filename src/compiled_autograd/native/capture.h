@@ -197,7 +197,7 @@ struct CollectedGraph {
   std::string unsupported;
 
   // The grad mode the nodes' formulas are traced in and the results applied
-  // in: the engine's, which is create_graph (NOTE [create_graph] in runtime.py).
+  // in: the engine's, which is create_graph (NOTE [create_graph] in capture/create_graph.py).
   bool grad_mode = false;
 
   py::bytes key() const {
@@ -343,7 +343,7 @@ class Tracer {
   std::unordered_map<Node*, torch::autograd::GraphTask::ExecInfo>* marked_ = nullptr;
 };
 
-// NOTE [Stealing a fresh grad] (ops.py): the storages of a graph's tensor inputs, by
+// NOTE [Stealing a fresh grad] (replay/calls.py): the storages of a graph's tensor inputs, by
 // identity. Weak references pin their StorageImpls for the graph's run: a boxed graph frees
 // inputs as it goes, and a new grad may get a freed input's memory (by data address it read
 // as that input, and was copied: a flaky extra copy) but never its StorageImpl while a weak

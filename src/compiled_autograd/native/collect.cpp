@@ -96,7 +96,7 @@ struct CompareReady {
 // eager's release of that node would drop it.
 //
 // The same swap serves the backward that learns what a user's unpack hooks
-// return (NOTE [Unpack metadata learned from the last backward], collect.py):
+// return (NOTE [Unpack metadata learned from the last backward], nodes/saved_tensors.py):
 // it runs in eager, each hook at its node, wrapped so that what it returns is
 // reported; the wrapper is taken off when the backward ends.
 //
@@ -140,7 +140,7 @@ struct GivenSavedHooks : OurSavedHooks {
 };
 
 // The key and sizes entries of one lifted tensor (Collector::append_tensor_key; also
-// collect.py's _Lifter, for the tensors only Python sees: a custom Function's saved tensors and
+// walk/collect.py's _Lifter, for the tensors only Python sees: a custom Function's saved tensors and
 // ctx attributes). Returns why the tensor cannot be keyed, or nullptr.
 const char* tensor_key_into(const at::Tensor& t, std::string& key, std::vector<int64_t>& sizes) {
   if (t.layout() != at::kStrided) {
@@ -282,7 +282,7 @@ void SavedHookHandover::hand_over_saved(size_t idx, const std::vector<std::optio
 }
 
 // The hooks of these hooked tensors report what they return: report(i, tensor)
-// (NOTE [Unpack metadata learned from the last backward], collect.py).
+// (NOTE [Unpack metadata learned from the last backward], nodes/saved_tensors.py).
 void SavedHookHandover::learn_unpacks(const std::vector<size_t>& idxs, py::object report) {
   for (size_t i : idxs) {
     auto learning = std::make_unique<LearningSavedHooks>(nullptr, report, i);

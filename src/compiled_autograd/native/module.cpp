@@ -11,7 +11,7 @@
 //   replay   call, on real tensors, what the compiled graph cannot contain:
 //            hooks (Python or C++), opaque nodes, AccumulateGrad; free the
 //            graph like the engine does.
-// The Python side (trace.py, runtime.py) drives these per node.
+// The Python side (capture/trace.py, runtime.py) drives these per node.
 //
 // The helper is built from these files, by stage (native/__init__.py builds
 // them all; values.h mirrors the values Python defines, capture.h declares

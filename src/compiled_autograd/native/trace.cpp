@@ -1,7 +1,7 @@
 // trace: run one node's real backward formula (`apply_with_saved`) with its
 // saved tensors swapped for the tracer's fake tensors (Tracer), and swap a
 // custom Function's saved tensors while Python traces its backward
-// (PyNodeSavedSwap). The Python side (trace.py) drives these per node.
+// (PyNodeSavedSwap). The Python side (capture/trace.py) drives these per node.
 
 #include "capture.h"
 

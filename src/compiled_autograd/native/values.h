@@ -1,5 +1,5 @@
 // What the helper and Python hand each other, mirrored from its one definition
-// in Python (values.py, ops.py, trace.py). Each definition here names its
+// in Python (values.py). Each definition here names its
 // Python counterpart: a change there is a change here. Where C++ reads a
 // Python tuple by position (or builds one Python reads by name), it uses the
 // constants below, never a bare index.
@@ -60,10 +60,10 @@ struct GradientEdgeField {
 };
 
 // ---------------------------------------------------------------------------
-// The call protocol (ops.CallArgs: slot, args, meta, flags)
+// The call protocol (values.CallArgs: slot, args, meta, flags)
 // ---------------------------------------------------------------------------
 
-// trace.Slot: one opaque call of a graph, by position
+// values.Slot: one opaque call of a graph, by position
 struct SlotField {
   static constexpr size_t KIND = 0;
   static constexpr size_t NODE = 1;
@@ -76,7 +76,7 @@ struct SlotField {
   static constexpr size_t AT = 8;
 };
 
-// ops.replaying.frame: the context of one compiled graph run, by position
+// values.ReplayFrame: the context of one compiled graph run, by position
 struct FrameField {
   static constexpr size_t CAPTURE = 0;
   static constexpr size_t SLOTS = 1;
@@ -90,12 +90,12 @@ struct FrameField {
   static constexpr size_t OBSERVED = 9;
 };
 
-// The bits of a call's `flags` the helper reads (ops.DEFINEDNESS, ops.KEEPS_INPUTS,
-// ops.PASSES_SHIFT; the others it does not read)
+// The bits of a call's `flags` the helper reads (values.DEFINEDNESS, values.KEEPS_INPUTS,
+// values.PASSES_SHIFT; the others it does not read)
 static constexpr int64_t kDefinedness = 1, kKeepsInputs = 2, kPassesShift = 8;
 
-// the slot kinds (ops.py), as this helper numbers them: the order of the `kinds`
-// ops._install_calls hands install_calls
+// the slot kinds (values.py), as this helper numbers them: the order of the `kinds`
+// calls._install_calls hands install_calls
 enum CallKind : int {
   CALL_OTHER = -1,
   CALL_TENSOR_PRE_HOOKS = 0,
@@ -105,9 +105,9 @@ enum CallKind : int {
   CALL_ACCUMULATE,
   CALL_HOOKED_ACCUMULATE
 };
-static constexpr int kStage[] = {0, 1, 2, 2, 2, 0}; // ops._STAGE, in CallKind's order
+static constexpr int kStage[] = {0, 1, 2, 2, 2, 0}; // values._STAGE, in CallKind's order
 
-// ops.encode_meta: per output of a call, these fields, then its shape, then its strides
+// values.encode_meta: per output of a call, these fields, then its shape, then its strides
 struct MetaField {
   static constexpr Py_ssize_t RANK = 0;
   static constexpr Py_ssize_t DTYPE = 1;
@@ -115,19 +115,19 @@ struct MetaField {
   static constexpr Py_ssize_t LAYOUT = 3;
   static constexpr Py_ssize_t COUNT = 4; // (the number of fields: then the shape, then the strides)
 };
-// ops.device_code: device type code * kDeviceCodeBase + (index + 1, 0 for none)
+// values.device_code: device type code * kDeviceCodeBase + (index + 1, 0 for none)
 static constexpr int64_t kDeviceCodeBase = 1024;
-// ops._LAYOUTS: the layout codes
+// values._LAYOUTS: the layout codes
 static constexpr int64_t kLayoutStrided = 0, kLayoutSparseCoo = 1;
 
-// One output of a call as the graph was traced with it (ops.OutputMeta), read from the
-// call's `meta` argument (ops.encode_meta: per output rank, dtype code, device code, layout
+// One output of a call as the graph was traced with it (values.OutputMeta), read from the
+// call's `meta` argument (values.encode_meta: per output rank, dtype code, device code, layout
 // code, shape, strides).
 struct OutputMeta {
   std::vector<int64_t> shape, strides;
   at::ScalarType dtype;
   c10::Device device;
-  bool sparse; // sparse COO (ops._LAYOUTS[1]), else strided
+  bool sparse; // sparse COO (values._LAYOUTS[1]), else strided
 
   at::Tensor empty() const {
     auto options = at::TensorOptions().dtype(dtype).device(device);
@@ -136,7 +136,7 @@ struct OutputMeta {
     }
     return at::empty_strided(shape, strides, options);
   }
-  // ops.OutputMeta.has_layout: the layout, and the strides of the dims longer than 1
+  // values.OutputMeta.has_layout: the layout, and the strides of the dims longer than 1
   bool has_layout(const at::Tensor& t) const {
     if ((t.layout() == at::kSparse) != sparse || (!sparse && t.layout() != at::kStrided)) {
       return false;
@@ -153,7 +153,7 @@ struct OutputMeta {
   }
 };
 
-// ops.decode_meta: `dtypes` and `device_types` are ops._DTYPES and ops._DEVICE_TYPES
+// values.decode_meta: `dtypes` and `device_types` are values._DTYPES and values._DEVICE_TYPES
 // (as install_calls was given them)
 inline std::vector<OutputMeta> decode_meta(
     const py::list& meta,

@@ -8,6 +8,7 @@ import contextlib
 import sys
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -51,6 +52,19 @@ class PyNodeInfo:
 CHURN_LIMIT = 8
 
 
+class FunctionKey(NamedTuple):
+    """A custom Function node's part of the key."""
+
+    cls: type
+    how: str  # "traced", "region" (a torch.compile'd region's inlined backward) or "opaque"
+    flags: tuple = ()  # materialize grads, materialize non-differentiable, boxed, is_variable_input
+    needs_input_grad: tuple = ()
+    saved: tuple = ()  # lifted positions of its saved tensors
+    attrs: tuple = ()  # its ctx attributes by value ("traced"); the region's saved ints ("region")
+    state: tuple = ()  # the Python state its backward reads
+    reason: str = ""  # why it runs opaquely
+
+
 class _Churn:
     def __init__(self):
         self.sets: dict = {}  # cls -> the distinct sets of its values, one per capture
@@ -59,11 +73,10 @@ class _Churn:
 
     def note_capture(self, collected) -> list[str]:
         """Count the custom Functions a new graph traced; the names of those that just went opaque."""
-        pykeys = collected.key[1] if len(collected.key) > 1 else ()
         per_cls: dict = {}
-        for _, k in pykeys:
-            if len(k) == 7:  # ("py", cls, flags, needs_input_grad, saved, attrs, state): traced
-                per_cls.setdefault(k[1], set()).add((_values_only(k[5]), _values_only(k[6])))
+        for _, k in collected.key.functions:
+            if isinstance(k, FunctionKey) and k.how == "traced":
+                per_cls.setdefault(k.cls, set()).add((_values_only(k.attrs), _values_only(k.state)))
         went = []
         with self.lock:
             for cls, values in per_cls.items():
@@ -127,14 +140,14 @@ def _collect_pynode(capture, idx: int, lift, keep_graph: bool) -> tuple[tuple, P
         why = aot.inline_reason(cls, node) if aot.is_compiled_function(cls) else "boxed_grads_call Function"
         if why is not None:
             info.opaque_reason = why
-            return ("py", cls, "opaque", why), info
+            return FunctionKey(cls, "opaque", reason=why), info
         if keep_graph:
             aot.check_keep_graph(cls)  # (eager's error: a RuntimeError, eager raises it again)
         saved = list(node.saved_tensors)
         capture.hand_over_saved(idx, saved, keep_graph)
         info.saved = tuple(lift(t) if t is not None else -1 for t in aot.saved_tensors(node, saved))
         info.symints = tuple(node.symints)
-        return ("py", cls, flags, tuple(node.needs_input_grad), info.saved, aot.key(info.symints)), info
+        return FunctionKey(cls, "region", flags, tuple(node.needs_input_grad), info.saved, aot.key(info.symints)), info
     # reading saved_tensors runs eager's own checks (freed graph, version
     # counter) and saved-tensor unpack hooks
     saved = node.saved_tensors
@@ -143,12 +156,12 @@ def _collect_pynode(capture, idx: int, lift, keep_graph: bool) -> tuple[tuple, P
     capture.hand_over_saved(idx, list(saved), keep_graph)
     if _is_reentrant_checkpoint(cls):  # NOTE [Opaque nodes keep their state out of the key]
         info.opaque_reason = REENTRANT_CHECKPOINT
-        return ("py", cls, "opaque", REENTRANT_CHECKPOINT), info
+        return FunctionKey(cls, "opaque", reason=REENTRANT_CHECKPOINT), info
     user = not _pure_module(getattr(cls, "__module__", "") or "")
     churned = CHURN.opaque.get(cls)
     if churned is not None:
         info.opaque_reason = churned
-        return ("py", cls, "opaque", churned), info
+        return FunctionKey(cls, "opaque", reason=churned), info
     read: list = []  # NOTE [Tensors a backward reads from globals and closures]
     why, state = backward_state_key(cls, read)
     if why is not None:
@@ -156,7 +169,7 @@ def _collect_pynode(capture, idx: int, lift, keep_graph: bool) -> tuple[tuple, P
             info.opaque_reason = f"its backward makes {why}, which a trace would make once and a cache hit never"
         else:
             info.opaque_reason = f"its backward reads {why}, which a trace would freeze"
-        return ("py", cls, "opaque", info.opaque_reason), info
+        return FunctionKey(cls, "opaque", reason=info.opaque_reason), info
     mark = lift.mark()
     try:
         info.saved = tuple(lift(t) if t is not None else -1 for t in saved)
@@ -179,9 +192,11 @@ def _collect_pynode(capture, idx: int, lift, keep_graph: bool) -> tuple[tuple, P
         lift.rollback(mark)
         info.saved, info.read = (), ()
         info.opaque_reason = str(e)
-        return ("py", cls, "opaque", info.opaque_reason), info
+        return FunctionKey(cls, "opaque", reason=info.opaque_reason), info
     info.ctx_ints = tuple(ints)
-    key = ("py", cls, flags, tuple(node.needs_input_grad), info.saved, tuple(attr_keys), state + tuple(("T", i) for _, _, i in info.read))
+    key = FunctionKey(
+        cls, "traced", flags, tuple(node.needs_input_grad), info.saved, tuple(attr_keys), state + tuple(("T", i) for _, _, i in info.read)
+    )
     return key, info
 
 
@@ -253,7 +268,7 @@ def python_backward(t, idx, node, info, inputs, args):
 
         capture_swap = native.load().PyNodeSavedSwap(node, [args[i] if i >= 0 else None for i in info.saved])
         kept = [args[i] for i in info.saved if i >= 0] + [args[i] for _, _, i in info.read]
-        ints = iter(t.aot_ints[info.aot_start :])  # NOTE [Sizes kept on ctx] (walk/collect.py)
+        ints = iter(t.aot_ints[info.aot_start :])  # NOTE [Sizes kept on ctx] (nodes/ctx_sizes.py)
         for name, value in info.attrs:
             originals[name] = vars(node)[name]
             rebuilt = _rebuild(fill_sizes(value, ints), t.c, args)

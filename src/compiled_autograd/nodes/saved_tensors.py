@@ -53,12 +53,13 @@ from __future__ import annotations
 
 import functools
 import threading
+from typing import NamedTuple
 
 import torch
 
 from ..walk.state import _closure, _nested_code
 
-from ..replay import calls as ops
+from ..values import UNPACK
 
 
 def unpack_in_graph(t, hid: int):
@@ -73,7 +74,7 @@ def unpack_in_graph(t, hid: int):
     accumulates each as soon as it is computed."""
     after = [t for t in t.node_inputs if t is not None] + t.unconsumed
     t.unconsumed = []
-    (t,), _ = t._call(ops.UNPACK, hid, after, [t.in_graph_metas[hid]])
+    (t,), _ = t._call(UNPACK, hid, after, [t.in_graph_metas[hid]])
     return t
 
 
@@ -101,6 +102,16 @@ class Learn:
 
 
 @functools.cache
+class LearnKey(NamedTuple):
+    """Where a hooked saved tensor's unpacked metadata is learned and looked up (NOTE [Unpack
+    metadata learned from the last backward])."""
+
+    graph: tuple  # (a digest of the graph's native key, its sizes)
+    position: int  # among the saved tensors with hooks
+    code: object  # the unpack hook's code
+    packed: object  # what the packed value shows of its tensors (_packed_meta)
+
+
 def _known_unpack_hooks():
     """The code objects of checkpoint's and save_on_cpu's unpack hooks."""
     import torch.utils.checkpoint as ckpt
@@ -218,7 +229,7 @@ class _Learned:
     def _rule_key(key):
         """A learned key without sizes: the graph's digest, position, hook code, and the packed
         value's structure (its tensors' ranks, dtypes and devices)."""
-        (digest, _sizes), i, code, packed = key
+        (digest, _sizes), i, code, packed = key.graph, key.position, key.code, key.packed
         return (digest, i, code, _without_shapes(packed))
 
     def by_rule(self, key):
@@ -227,7 +238,7 @@ class _Learned:
         if rule is None or rule[3] is None or len(rule[3]) < 2:
             return None
         k, dtype, device, _ = rule
-        shapes = _packed_shapes(key[3])
+        shapes = _packed_shapes(key.packed)
         if k >= len(shapes):
             return None
         meta = (shapes[k], dtype, device, self.orders.get(self._rule_key(key)) or tuple(range(len(shapes[k]))))
@@ -262,7 +273,7 @@ class _Learned:
 
     def _learn_rule(self, key, meta) -> None:
         shape, dtype, device = meta
-        same = [k for k, s in enumerate(_packed_shapes(key[3])) if s == shape]
+        same = [k for k, s in enumerate(_packed_shapes(key.packed)) if s == shape]
         rk = self._rule_key(key)
         rule = self.rules.get(rk)
         if rule is not None and rule[3] is None:
@@ -271,7 +282,7 @@ class _Learned:
             self._set_rule(rk, _NO_RULE)  # ambiguous, or not the rule it was
             return
         seen = rule[3] if rule is not None else frozenset()
-        self._set_rule(rk, (same[0], dtype, device, seen | {(key[0][1], key[3])}))
+        self._set_rule(rk, (same[0], dtype, device, seen | {(key.graph[1], key.packed)}))
 
     def _set_rule(self, rk, rule) -> None:
         if len(self.rules) >= self.LIMIT and rk not in self.rules:
@@ -295,7 +306,7 @@ class _Learned:
             return
         self.mark_unpredictable(key)
         with self.lock:  # the graph's other hooks may have changed too: the next backward learns again
-            for k in [k for k in self.metas if k[0] == key[0]]:
+            for k in [k for k in self.metas if k.graph == key.graph]:
                 del self.metas[k]
         got = f"{tuple(t.shape)}/{t.dtype}/{t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise RuntimeError(

@@ -2,20 +2,33 @@
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
-import threading
-import time
+import sys
 
 from ..cache.memory import CACHE
-from .captures import capture_log
-from ..observe.stats import LOCK, STATS
 from ..values import NodeKind
+from .captures import capture_log
+from .stats import LOCK, STATS
 
 
-def explain() -> str:
-    """A readable report: counters, then one line per capture with its reason."""
+class Report(str):
+    """explain()'s text; echoed at a prompt as one line (explain() has printed it)."""
+
+    def __repr__(self) -> str:
+        return f"<compiled_autograd report: {self.count(chr(10)) + 1} lines, printed>"
+
+
+def explain(file=sys.stdout) -> Report:
+    """Print a readable report -- counters, one line per capture with its reason, why
+    backwards ran in eager and nodes ran opaquely -- to `file` (None: print nothing), and
+    return its text."""
+    text = Report(_report())
+    if file is not None:
+        print(text, file=file)
+    return text
+
+
+def _report() -> str:
     with LOCK:
         s = STATS.snapshot()
     lines = [f"compiled_autograd: {s}"]
@@ -43,8 +56,14 @@ def explain() -> str:
             shown = ", ".join(c["dynamic"][:12]) + (" ..." if len(c["dynamic"]) > 12 else "")
             lines.append(f"    symbolic sizes: {shown}")
             lines.append(f"    guards: {c.get('guards') or 'none'}")
-    for reason, n in s.fallback_reasons.most_common():
-        lines.append(f"  eager fallback x{n}: {reason}")
+    for kind, n in s.fallback_reasons.most_common():
+        lines.append(f"  eager fallback x{n}: {kind}")
+    for detail, n in s.fallback_details.most_common(10):
+        lines.append(f"    x{n}: {detail}")
+    for kind, n in s.opaque_reasons.most_common():
+        lines.append(f"  opaque node runs x{n}: {kind}")
+    for detail, n in s.opaque_details.most_common(10):
+        lines.append(f"    x{n}: {detail}")
     lines.append(f"  cached graphs: {len(CACHE)}")
     return "\n".join(lines)
 

@@ -20,8 +20,10 @@ class Stats:
                      hooks return (the first of each graph and sizes with such hooks; not
                      fallbacks: the next one is compiled)
     opaque_nodes:    nodes run eagerly inside a compiled graph (per backward run)
-    opaque_reasons:  Counter of "node: reason" -> runs
-    fallback_reasons: Counter of reason -> number of eager fallbacks
+    opaque_reasons:  Counter of kind -> runs of opaque nodes (observe/reasons.py OPAQUES)
+    opaque_details:  Counter of "node: what happened" -> runs (bounded)
+    fallback_reasons: Counter of kind -> eager fallbacks (observe/reasons.py FALLBACKS)
+    fallback_details: Counter of what happened -> eager fallbacks (bounded)
     trace_seconds / compile_seconds: time spent capturing and compiling
     compiles_pending: background compiles still running (see `synchronize()`)
     compile_failures: background compiles that failed (the traced graph stays in use)
@@ -38,6 +40,8 @@ class Stats:
     opaque_nodes: int = 0
     fallback_reasons: Counter = field(default_factory=Counter)
     opaque_reasons: Counter = field(default_factory=Counter)
+    fallback_details: Counter = field(default_factory=Counter)
+    opaque_details: Counter = field(default_factory=Counter)
     trace_seconds: float = 0.0
     compile_seconds: float = 0.0
     compiles_pending: int = 0
@@ -55,6 +59,8 @@ class Stats:
             opaque_nodes=self.opaque_nodes,
             fallback_reasons=Counter(self.fallback_reasons),
             opaque_reasons=Counter(self.opaque_reasons),
+            fallback_details=Counter(self.fallback_details),
+            opaque_details=Counter(self.opaque_details),
             trace_seconds=self.trace_seconds,
             compile_seconds=self.compile_seconds,
             compiles_pending=self.compiles_pending,

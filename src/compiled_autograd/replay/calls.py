@@ -31,7 +31,7 @@ always dense (a permutation of a contiguous tensor: a copy into it is exact):
   * an unpack hook's: `save_on_cpu` unpacks its contiguous copy; what a checkpoint
     recomputes, or another hook returns, is learned from an eager backward of the
     graph, as its shape is (NOTE [Unpack metadata learned from the last backward],
-    walk/collect.py), and kept per graph position for other sizes;
+    nodes/saved_tensors.py), and kept per graph position for other sizes;
   * an opaque node's: contiguous.
 At replay, an output in another layout is copied into the traced one
 (`stats().layout_copies`), and the dense layout it had is remembered for its
@@ -70,6 +70,7 @@ import torch
 
 from ..compile import torch_patches
 from ..values import (  # the call protocol; re-exported for the graphs' code and the native helper
+    ReplayFrame,
     _DTYPES,
     _DTYPE_CODE,
     _DEVICE_TYPES,
@@ -150,7 +151,7 @@ class replaying:
         # (the dispatch keys the backward call excluded: a call runs its hooks with them)
         # observed: (slot, output) -> the layout a call's output had where it was not the
         # traced one (NOTE [Layouts of call outputs])
-        self.frame = (capture, slots, torch._C._dispatch_tls_local_exclude_set(), hooks, steal, keep, versions, ctx, releases, observed)
+        self.frame = ReplayFrame(capture, slots, torch._C._dispatch_tls_local_exclude_set(), hooks, steal, keep, versions, ctx, releases, observed)
 
         self.failed_at = None  # the slot of the last call started, when the graph raised
 
@@ -186,7 +187,7 @@ def _will_engine_execute_node(node):
     """The captured graph's answer, from its own graph task; None: eager's answer (the
     patch of torch._C._will_engine_execute_node is compile/torch_patches.py's)."""
     if _replay.stack and _replay.tasks[-1] != -1 and _replay.tasks[-1] == torch._C._current_graph_task_id():
-        return _replay.stack[-1][0].will_execute(node)
+        return _replay.stack[-1].capture.will_execute(node)
     return None
 
 
@@ -205,8 +206,11 @@ def _call(
 
 def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
     """One call of a replayed graph, in the backward call's dispatch state."""
-    capture, slots, outside, hooks, steal, keep, versions, ctx, releases, observed = _replay.stack[-1]
-    kind, node, mask, in_flags, fresh, n_after, shared, n_watch, _ = slots[slot]
+    frame = _replay.stack[-1]
+    capture, slots, outside, hooks, steal, keep = frame.capture, frame.slots, frame.outside, frame.hooks, frame.steal, frame.keep
+    versions, ctx, releases, observed = frame.versions, frame.ctx, frame.releases, frame.observed
+    s = slots[slot]
+    kind, node, mask, in_flags, fresh, n_after, shared, n_watch = s.kind, s.node, s.mask, s.in_flags, s.fresh, s.n_after, s.shared, s.n_watch
     passed = ()
     if flags >> PASSES_SHIFT:  # graph inputs read after this call: returned, so read after it
         n = flags >> PASSES_SHIFT

@@ -1,6 +1,6 @@
 """Collect: what one backward call's graph is made of, as a key and lifted inputs.
 
-The native collector (native/_C.cpp) walks the graph and keys every built-in
+The native collector (native/collect.cpp) walks the graph and keys every built-in
 node. This module adds what only Python can see:
   * custom autograd.Function nodes: the Function class, needs_input_grad, the
     materialize flags, every non-tensor ctx attribute by value (but sizes kept
@@ -34,9 +34,9 @@ import torch
 
 from ..errors import Unkeyable
 from ..nodes.function import _collect_pynode, kept_indices
-from ..nodes.saved_tensors import LEARNED, Learn, _hook_code, _packed_meta, _Predictor, unpack
+from ..nodes.saved_tensors import LEARNED, Learn, LearnKey, _hook_code, _packed_meta, _Predictor, unpack
 from ..replay.graph_task import in_graph_task
-from ..values import NodeKind, NodeRow
+from ..values import GraphKey, NodeKind, NodeRow
 
 PYNODE_KIND = NodeKind.PYNODE
 
@@ -173,7 +173,7 @@ def collect(capture, run_unpack_hooks: bool = True, keep_graph: bool = True) -> 
         lifted = capture.lifted()
         return Collected(
             capture=capture,
-            key=(capture.key(),),
+            key=GraphKey(capture.key(), (), (), (), (), False),
             sizes=tuple(capture.sizes()),
             n_size_inputs=capture.num_size_inputs(),
             lifted=lifted,
@@ -196,7 +196,7 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
         if meta is None or meta[3] is None:
             if native_key is None:  # (a digest: the table must not hold every graph's key)
                 native_key = (hashlib.blake2b(capture.key(), digest_size=16).digest(), tuple(capture.sizes()))
-            learned = (native_key, i, _hook_code(hook), _packed_meta(packed))
+            learned = LearnKey(native_key, i, _hook_code(hook), _packed_meta(packed))
         if meta is not None and meta[3] is None:
             # a checkpoint's recomputed tensor: its layout is learned (NOTE [Layouts of call
             # outputs], replay/calls.py), from an eager backward when no backward showed it yet
@@ -236,7 +236,7 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
         pykeys.append((idx, k))
         pynodes[idx] = info
     grad_on_ctx = _grad_on_ctx(capture, pynodes, lifted)
-    key = (capture.key(), tuple(pykeys), tuple(unpacked), tuple(in_graph), tuple(lift.extra_keys), grad_on_ctx)
+    key = GraphKey(capture.key(), tuple(pykeys), tuple(unpacked), tuple(in_graph), tuple(lift.extra_keys), grad_on_ctx)
     aot_ints: list = []  # sizes, as a dynamic capture may make them symbolic
     for info in pynodes.values():
         if info.symints is not None:
