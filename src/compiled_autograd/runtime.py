@@ -158,6 +158,14 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
     capture.grad_mode = create_graph  # AccumulateGrad applies the results as under create_graph
     run = _OneBackward(cfg, key, fam, collected, capture, keep_graph, create_graph)
     del collected  # (the run holds the lifted tensors, and lets go of them before applying)
+    if run.entry is not None and run.entry.compiling:
+        # NOTE [Steps while a graph compiles]
+        run = None
+        capture.clear()
+        pause.resume()
+        with LOCK:
+            STATS.eager_while_compiling += 1
+        return eager()
     try:
         results = run.hit() if run.entry is not None else run.miss(pause)
     except Exception as e:

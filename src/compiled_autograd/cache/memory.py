@@ -63,7 +63,8 @@ class CompiledBackward:
     compile_seconds: float
     sizes: tuple = ()
     dynamic: Dynamic | None = None
-    compiled: bool = True  # False while a background compile is running (fn replays the FX graph)
+    compiled: bool = True  # False until a background compile is done (fn runs the traced FX graph)
+    compiling: bool = False  # its background compile is scheduled or running (NOTE [Steps while a graph compiles])
     nodes: tuple = ()  # (name, kind, hooks, opaque reason, edges) per node, for dump()
     node_keys: tuple = ()  # each node's bytes of the key, then the tensor metadata, for explain()
     # create_graph=True: the vjp graph of `graph`, which then returns its results and what the vjp

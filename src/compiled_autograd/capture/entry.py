@@ -93,6 +93,7 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
         nodes=nodes,
         node_keys=node_keys(collected.capture),
         compiled=not background,
+        compiling=background,
         vjp=vjp,
         expected=expected,
     )
@@ -142,6 +143,7 @@ def entry_from_disk(cfg: Config, collected, key, record, reason: str) -> Compile
         nodes=record["nodes"],
         node_keys=record["node_keys"],
         compiled=not background,
+        compiling=background,
         expected=expected,
     )
     with LOCK:

@@ -16,6 +16,9 @@ class Stats:
     disk_hits:       graphs loaded from the on-disk cache instead of traced
     hits:            backwards served by a cached compiled graph
     eager_fallbacks: backwards that ran in eager autograd instead
+    eager_while_compiling: backwards of a graph whose background compile was still running,
+                     run by eager autograd's engine (NOTE [Steps while a graph compiles]; not
+                     fallbacks: the compiled graph takes over when it is ready)
     learning_backwards: backwards run in eager autograd to learn what saved-tensor unpack
                      hooks return (the first of each graph and sizes with such hooks; not
                      fallbacks: the next one is compiled)
@@ -37,6 +40,7 @@ class Stats:
     hits: int = 0
     eager_fallbacks: int = 0
     learning_backwards: int = 0
+    eager_while_compiling: int = 0
     opaque_nodes: int = 0
     fallback_reasons: Counter = field(default_factory=Counter)
     opaque_reasons: Counter = field(default_factory=Counter)
@@ -56,6 +60,7 @@ class Stats:
             hits=self.hits,
             eager_fallbacks=self.eager_fallbacks,
             learning_backwards=self.learning_backwards,
+            eager_while_compiling=self.eager_while_compiling,
             opaque_nodes=self.opaque_nodes,
             fallback_reasons=Counter(self.fallback_reasons),
             opaque_reasons=Counter(self.opaque_reasons),
@@ -72,6 +77,7 @@ class Stats:
         reasons = ", ".join(f"{r}: {n}" for r, n in self.fallback_reasons.most_common())
         learning = f"learning_backwards={self.learning_backwards} " if self.learning_backwards else ""
         learning += f"layout_copies={self.layout_copies} " if self.layout_copies else ""
+        learning += f"eager_while_compiling={self.eager_while_compiling} " if self.eager_while_compiling else ""
         return (
             f"captures={self.captures} (dynamic {self.dynamic_captures}) disk_hits={self.disk_hits} hits={self.hits} "
             f"eager_fallbacks={self.eager_fallbacks} {learning}"
