@@ -9,10 +9,15 @@ import operator
 import torch
 
 from ..replay import calls as ops
+from ..errors import Fallback
 from ..values import NodeKind
 from ..nodes.function import kept_indices
 
 ACCUMULATE_KIND = NodeKind.ACCUMULATE
+
+
+class ArrivesTooLate(Fallback):
+    """NOTE [Tensors whose data arrives during the backward]: read before any hook ran."""
 
 
 def _releases(slots, nodes) -> tuple:
@@ -95,11 +100,15 @@ def _passable(collected) -> frozenset:
     out = {g for _, _, g in collected.capture.roots() if g >= 0}
     out |= kept_indices(collected.pynodes, collected.lifted)
     out |= {i for i in collected.up_front if collected.lifted[i].dim() > 0}
-    return frozenset(out)
+    return frozenset(out | collected.arriving)
 
 
 def _order_reads_before_calls(
-    gm: torch.fx.GraphModule, slots: tuple, checked: frozenset = frozenset(), passable: frozenset = frozenset()
+    gm: torch.fx.GraphModule,
+    slots: tuple,
+    checked: frozenset = frozenset(),
+    passable: frozenset = frozenset(),
+    arriving: frozenset = frozenset(),
 ) -> tuple:
     """NOTE [Hooks may change what the graph reads]
     A hook can change a tensor the graph reads: the optimizer-in-backward recipe steps
@@ -127,7 +136,19 @@ def _order_reads_before_calls(
     with a user's backend), so the read depends on the call (`_passable`). Unpack calls are
     not hooks and pass nothing. (A saved tensor changed through `.data`, which bumps no
     version, may still be read before the hook by inductor.)
-    Returns the slots and Plan.watch."""
+    Returns the slots and Plan.watch.
+
+    NOTE [Tensors whose data arrives during the backward]
+    FSDP2 frees each block's unsharded parameters after the block's forward (their storage
+    resized to nothing) and all-gathers them back in a hook that runs, in the backward, before
+    the block's first node; the nodes saved them (`weight.t()` for a linear layer), so the
+    backward starts with saved tensors whose storage is empty. Such a tensor is lifted as it is
+    (its sizes and strides are its own; the key marks it), and read as a passable input above:
+    every read of it comes from the last hook call before the read, which returns the tensor
+    once the hook has refilled it. Its reads are ordered before later calls as any read (the
+    hook after the block that frees it again comes after them). A read before any hook call
+    would read nothing: that graph falls back (`ArrivesTooLate`), and a call that passes on a
+    tensor whose storage is still empty raises (eager would read nothing there either)."""
     from ..capture.create_graph import _aliases
 
     call = torch.ops.compiled_autograd.call.default
@@ -186,6 +207,8 @@ def _order_reads_before_calls(
         read = [inputs[a] for a in n.all_input_nodes if a in inputs]
         if not read:
             continue
+        if hook_call is None and not _aliases(n) and any(lifted in arriving for _, lifted in read):
+            raise ArrivesTooLate("a tensor whose data arrives during the backward is read before any hook")
         if _aliases(n) and n.args and n.args[0] in inputs:
             inputs[n] = inputs[n.args[0]]  # a view: read by the ops that take it
             since[n] = hook_call

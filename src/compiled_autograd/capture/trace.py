@@ -313,7 +313,11 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
             if tracer.nodes[i].execute and opaque.is_opaque(tracer, i)
         )
         slots, watch = _order_reads_before_calls(
-            gm, _mark_shared_args(gm, _mark_fresh_grads(gm, tracer.slots)), _version_checked(collected), _passable(collected)
+            gm,
+            _mark_shared_args(gm, _mark_fresh_grads(gm, tracer.slots)),
+            _version_checked(collected),
+            _passable(collected),
+            collected.arriving,
         )
         plan = Plan(
             slots=slots,

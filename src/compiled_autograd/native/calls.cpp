@@ -249,7 +249,7 @@ struct CallFallbacks {
   std::vector<py::object> kinds; // the slot kinds, in CallKind's order
   std::vector<at::ScalarType> dtypes; // values._DTYPES
   std::vector<c10::DeviceType> device_types; // values._DEVICE_TYPES
-  py::object check_versions, check_ctx, hooks_added_error, shared_modified_error, conform_error, observed_layout, conformed;
+  py::object check_versions, check_ctx, hooks_added_error, shared_modified_error, still_empty_error, conform_error, observed_layout, conformed;
 };
 
 static CallFallbacks& fallbacks() {
@@ -277,6 +277,7 @@ void install_calls(py::dict fns) {
   f.check_ctx = fns["check_ctx"];
   f.hooks_added_error = fns["hooks_added_error"];
   f.shared_modified_error = fns["shared_modified_error"];
+  f.still_empty_error = fns["still_empty_error"];
   f.conform_error = fns["conform_error"];
   f.observed_layout = fns["observed_layout"];
   f.conformed = fns["conformed"];
@@ -581,7 +582,12 @@ py::object call_direct(int64_t slot, py::list args, py::list meta, int64_t flags
     // graph inputs read after the call, as it leaves them; a user's backend may reuse an
     // output's buffer: a copy
     PyObject* t = PyList_GET_ITEM(args.ptr(), i);
-    outs.append(keep_passed ? py::reinterpret_borrow<py::object>(t) : wrap(THPVariable_Unpack(t).clone()));
+    const at::Tensor& passed = THPVariable_Unpack(t);
+    if (passed.numel() > 0 && passed.storage().nbytes() == 0) {
+      // NOTE [Tensors whose data arrives during the backward]: no hook refilled it
+      fb.still_empty_error(kind_obj, py::handle(f.frame[FrameField::CAPTURE]), node_obj);
+    }
+    outs.append(keep_passed ? py::reinterpret_borrow<py::object>(t) : wrap(passed.clone()));
   }
   return outs;
 }

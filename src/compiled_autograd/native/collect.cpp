@@ -161,9 +161,15 @@ const char* tensor_key_into(const at::Tensor& t, std::string& key, std::vector<i
   if (t.is_meta()) {
     return "a meta tensor among the lifted tensors";
   }
-  if (!t.has_storage() || (t.numel() > 0 && t.const_data_ptr() == nullptr)) {
+  // A tensor whose storage was resized to nothing (FSDP2's unsharded parameters between
+  // their forward and their all-gather in the backward) gets its data back from a hook
+  // before its node reads it: NOTE [Tensors whose data arrives during the backward]
+  // (capture/passes.py). A ZeroTensor's never comes.
+  bool arrives = t.has_storage() && t.numel() > 0 && !t._is_zerotensor() && t.storage().nbytes() == 0;
+  if (!arrives && (!t.has_storage() || (t.numel() > 0 && t.const_data_ptr() == nullptr))) {
     return "a lifted tensor without data";
   }
+  append_pod(key, static_cast<uint8_t>(arrives ? 'A' : 'H'));
   append_pod(key, static_cast<int8_t>(t.scalar_type()));
   append_pod(key, static_cast<int8_t>(t.device().type()));
   append_pod(key, static_cast<int8_t>(t.device().index()));

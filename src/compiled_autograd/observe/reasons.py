@@ -36,7 +36,7 @@ FALLBACKS = (
          ("native helper", "torch release", "COMPILED_AUTOGRAD_UNTESTED_TORCH")),
     Kind("CUDA streams", "a node's forward ran on another CUDA stream (NOTE [Streams])", ("stream",)),
     Kind("unliftable tensor", "a tensor the graph would take as input cannot be one (sparse, no data, non-strided)",
-         ("non-strided", "without data", "saved-tensor hook returned", "sparse", "meta tensor", "layout")),
+         ("non-strided", "without data", "saved-tensor hook returned", "sparse", "meta tensor", "layout", "data arrives")),
     Kind("create_graph", "create_graph=True with what its graphs cannot take (hooks, opaque nodes, saved-tensor hooks, "
          "a node eager cannot differentiate twice)", ("create_graph=True",)),
     Kind("capture failed", "capturing, compiling or first running the graph raised (after two, the key is not traced again)", ()),

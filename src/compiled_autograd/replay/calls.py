@@ -261,6 +261,9 @@ def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
         if releases and slot in releases:
             capture.release_nodes(releases[slot])
         if passed:  # as the call leaves them; a user's backend may reuse an output's buffer: a copy
+            for t in passed:
+                if t.numel() and t.untyped_storage().nbytes() == 0:
+                    _still_empty_error(kind, capture, node)
             outs = [*outs, *(passed if keep else [t.clone() for t in passed])]
         return outs
     finally:
@@ -273,6 +276,14 @@ def _hooks_added_error(kind, capture, node):
         f"compiled_autograd: {kind.replace('_', ' ')} of {capture.node_name(node)} registered a hook "
         "(or called retain_grad()) on a node this backward has not reached, which had none of that "
         "kind: the compiled graph has no place to run it (register it before the backward)"
+    )
+
+
+def _still_empty_error(kind, capture, node):
+    raise RuntimeError(
+        f"compiled_autograd: after the {kind.replace('_', ' ')} of {capture.node_name(node)}, a saved tensor whose "
+        "storage was empty when the backward started is still empty where the graph reads it (NOTE [Tensors "
+        "whose data arrives during the backward]): no hook refilled it before its node"
     )
 
 
@@ -512,6 +523,7 @@ def _install_calls(mod, run_call=None) -> None:
             "check_ctx": _check_ctx,
             "hooks_added_error": _hooks_added_error,
             "shared_modified_error": _shared_modified_error,
+            "still_empty_error": _still_empty_error,
         }
     )
 

@@ -91,9 +91,20 @@ class Collected:
         return tuple(out)
 
     @functools.cached_property
+    def arriving(self) -> frozenset:
+        """The lifted indices of tensors whose storage is empty now and gets its data from a
+        hook before their node runs (NOTE [Tensors whose data arrives during the backward])."""
+        return frozenset(i for i, t in enumerate(self.lifted) if _arrives(t))
+
+    @functools.cached_property
     def nodes(self) -> tuple:
         """A NodeRow per node, in the engine's order."""
         return NodeRow.rows(self.capture)
+
+
+def _arrives(t) -> bool:
+    """A tensor with elements whose storage holds none (the native helper keys it as such)."""
+    return isinstance(t, torch.Tensor) and t.numel() > 0 and not t._is_zerotensor() and t.untyped_storage().nbytes() == 0
 
 
 class InGraph(NamedTuple):
