@@ -1148,8 +1148,8 @@ def write(report: Report, out_dir: str, stem: str | None = None) -> tuple[str, s
         f.write(head[:-2] + ',\n "cases": [\n')
         f.write(",\n".join(json.dumps(c, default=str, separators=(",", ":")) for c in cases))
         f.write("\n ]\n}\n")
-    with open(mpath, "w") as f:
-        f.write(to_markdown(report))
+    with open(mpath, "w") as f:  # from what the JSON holds (its rounded times): --render gives the same
+        f.write(to_markdown(from_json(dict(d, cases=cases))))
     return jpath, mpath
 
 
