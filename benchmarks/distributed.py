@@ -1,0 +1,261 @@
+"""Step time of DDP and FSDP2 training: eager, ours and torch's built-in compiled autograd.
+
+    python -m benchmarks.distributed [--worlds 2,4] [--wraps ddp,fsdp2] [--backend inductor]
+                                     [--steps 20] [--out docs/bench/distributed]
+
+Each (world, wrap) job runs `world` ranks on loopback (gloo). Every rank builds one copy of a
+transformer per mode, wrapped the same way, and runs their steps in turn (the order rotating
+each step), so that the modes share the machine's state and their ratios do not move with
+it. A step is forward, backward and the optimizer's step, timed on rank 0 between barriers.
+The compiled modes warm up (capture, compile, and for ours the background compile waited
+for) before the timed steps; their first step's time is reported on its own.
+
+torch's built-in compiled autograd runs DDP with `optimize_ddp="python_reducer"`, the mode
+torch documents for it (its graph cannot call the C++ reducer's hooks); a mode that raises is
+reported with its error and left out of the later steps on every rank.
+
+Writes OUT/results.json, OUT/results.md and OUT/step_time.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("eager", "ours", "torch-ca")
+
+
+def _model():
+    import torch.nn as nn
+
+    class Model(nn.Module):
+        def __init__(self, d=128, heads=4, layers=4, ff=256, classes=8):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, batch_first=True) for _ in range(layers))
+            self.head = nn.Linear(d, classes)
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x.mean(1))
+
+    torch.manual_seed(0)
+    return Model()
+
+
+def _wrap(model, wrap, mode):
+    if wrap == "ddp":
+        import torch._dynamo
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # (read when DDP is built: only torch's compiled autograd needs the Python reducer)
+        torch._dynamo.config.optimize_ddp = "python_reducer" if mode == "torch-ca" else "ddp_optimizer"
+        return DDP(model, bucket_cap_mb=1)
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def _contexts(backend):
+    import contextlib
+
+    import compiled_autograd as ca
+    from torch._dynamo import compiled_autograd as tca
+
+    compiler = torch.compile(backend=backend)
+    return {"eager": contextlib.nullcontext, "ours": lambda: ca.enable(backend), "torch-ca": lambda: tca._enable(compiler)}
+
+
+def _rank(rank, world, port, job, out_dir):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), COMPILED_AUTOGRAD_DISK_CACHE="0")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(out_dir, f"inductor{rank}"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    import compiled_autograd as ca
+    from compiled_autograd import native
+
+    native.load()
+    contexts = _contexts(job["backend"])
+    models = {m: _wrap(_model(), job["wrap"], m) for m in job["modes"]}
+    opts = {m: torch.optim.AdamW(models[m].parameters(), lr=1e-3) for m in models}
+    times = {m: [] for m in models}
+    errors = {}
+
+    def step(mode, i):
+        torch.manual_seed(1000 * i + rank)
+        x, y = torch.randn(16, 32, 128), torch.randint(0, 8, (16,))
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(models[mode](x), y)
+        with contexts[mode]():
+            loss.backward()
+        opts[mode].step()
+        opts[mode].zero_grad()
+        return time.perf_counter() - t0
+
+    try:
+        order = list(models)
+        for i in range(job["warmup"] + job["steps"]):
+            for mode in order[i % len(order) :] + order[: i % len(order)]:
+                if mode in errors:
+                    continue
+                try:
+                    times[mode].append(step(mode, i))
+                except Exception as e:  # noqa: BLE001 - reported, and the mode left out
+                    errors[mode] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                    if rank == 0:
+                        traceback.print_exc()
+                if mode == "ours" and i == job["warmup"] - 1:
+                    ca.synchronize()
+        s = ca.stats()
+        stats = dict(captures=s.captures, hits=s.hits, eager_fallbacks=s.eager_fallbacks, learning=s.learning_backwards,
+                     eager_while_compiling=getattr(s, "eager_while_compiling", 0), opaque=dict(s.opaque_reasons))
+        torch.save(dict(times=times, errors=errors, stats=stats), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(job, world, timeout=1800):
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_rank, args=(world, _free_port(), job, out_dir), nprocs=world, join=False, start_method="spawn")
+        t0 = time.monotonic()
+        try:
+            while not ctx.join(timeout=5):
+                if time.monotonic() - t0 > timeout:
+                    raise TimeoutError(f"{job} on {world} ranks did not finish in {timeout} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        return torch.load(os.path.join(out_dir, "rank0.pt"), weights_only=False)
+
+
+def summarize(result, job):
+    rows = {}
+    warm = job["warmup"]
+    for mode in job["modes"]:
+        t = result["times"].get(mode, [])
+        if mode in result["errors"] or len(t) <= warm:
+            rows[mode] = dict(error=result["errors"].get(mode, "no timed steps"))
+            continue
+        rows[mode] = dict(first_s=t[0], median_s=statistics.median(t[warm:]), min_s=min(t[warm:]), steps=len(t) - warm)
+    base = rows["eager"].get("median_s")
+    for mode, r in rows.items():
+        if base and "median_s" in r:
+            r["vs_eager"] = r["median_s"] / base
+    if "median_s" in rows.get("ours", {}) and "median_s" in rows.get("torch-ca", {}):
+        rows["ours"]["vs_torch_ca"] = rows["ours"]["median_s"] / rows["torch-ca"]["median_s"]
+    return rows
+
+
+def write_report(out: Path, results: dict, meta: dict):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    lines = [
+        "# Distributed step time",
+        "",
+        f"{meta['date']}, commit {meta['commit']}, torch {meta['torch']}, {meta['cpus']} CPUs ({meta['cpu']}), gloo on "
+        f"loopback, backend {meta['backend']}. Command: `{meta['command']}`.",
+        "",
+        "A transformer (4 encoder layers, d=128, batch 16x32) per rank; a step is forward, backward and",
+        "AdamW's step, timed on rank 0 between barriers; the modes' steps alternate in one set of",
+        f"processes. Median of {meta['steps']} steps after {meta['warmup']} warm-up steps (capture and compile).",
+        "",
+        "| job | ranks | eager step | ours | ours / eager | torch built-in | built-in / eager | ours / built-in | ours' first step | ours: captures, hits, fallbacks, opaque |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, r in results.items():
+        wrap, world = key.split("@")
+        rows, st = r["rows"], r["stats"]
+
+        def cell(mode, field="median_s", scale=1e3, fmt="{:.1f} ms"):
+            m = rows.get(mode, {})
+            if "error" in m:
+                return "fails: " + m["error"].replace("|", "/")[:80]
+            return fmt.format(m[field] * scale) if field in m else "-"
+
+        lines.append(
+            f"| {wrap} | {world} | {cell('eager')} | {cell('ours')} | {cell('ours', 'vs_eager', 1, '{:.2f}x')} | "
+            f"{cell('torch-ca')} | {cell('torch-ca', 'vs_eager', 1, '{:.2f}x')} | {cell('ours', 'vs_torch_ca', 1, '{:.2f}x')} | "
+            f"{cell('ours', 'first_s', 1, '{:.1f} s')} | {st['captures']}, {st['hits']}, {st['eager_fallbacks']}, "
+            f"{sum(st['opaque'].values())} |"
+        )
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    _plot(out / "step_time.png", results)
+
+
+def _plot(path: Path, results: dict):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    keys = list(results)
+    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(keys), 3.6))
+    width = 0.8 / len(MODES)
+    for j, mode in enumerate(MODES):
+        vals = [results[k]["rows"].get(mode, {}).get("vs_eager", 0) for k in keys]
+        ax.bar([i + j * width for i in range(len(keys))], vals, width, label=mode)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks([i + width for i in range(len(keys))], [k.replace("@", "\n") + " ranks" for k in keys])
+    ax.set_ylabel("step time / eager (lower is better)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worlds", default="2,4")
+    p.add_argument("--wraps", default="ddp,fsdp2")
+    p.add_argument("--backend", default="inductor")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default=str(ROOT / "docs" / "bench" / "distributed"))
+    args = p.parse_args(argv)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), platform.processor())
+    meta = dict(date=datetime.date.today().isoformat(), commit=commit, torch=torch.__version__, cpus=os.cpu_count(), cpu=cpu,
+                backend=args.backend, steps=args.steps, warmup=args.warmup,
+                command="python -m benchmarks.distributed " + " ".join(argv if argv is not None else __import__("sys").argv[1:]))
+    results = {}
+    for world in (int(w) for w in args.worlds.split(",")):
+        for wrap in args.wraps.split(","):
+            job = dict(wrap=wrap, backend=args.backend, modes=args.modes.split(","), steps=args.steps, warmup=args.warmup)
+            t0 = time.monotonic()
+            r = run_job(job, world)
+            results[f"{wrap}@{world}"] = dict(rows=summarize(r, job), stats=r["stats"])
+            print(f"{wrap} on {world} ranks ({time.monotonic() - t0:.0f} s):", json.dumps(results[f'{wrap}@{world}']), flush=True)
+            write_report(Path(args.out), results, meta)
+
+
+if __name__ == "__main__":
+    main()
