@@ -12,21 +12,14 @@ import torch.nn as nn
 
 import compiled_autograd as ca
 from compiled_autograd.cache import disk as diskcache
-from helpers import assert_grads_equal, grads_of
+from helpers import assert_grads_equal, parity
 
 
 def _run(model, x, **options):
-    params = list(model.parameters())
-    for p in params:
-        p.grad = None
-    model(x).pow(2).mean().backward()
-    want = grads_of(params)
-    for p in params:
-        p.grad = None
-    loss = model(x).pow(2).mean()
-    with ca.enable("aot_eager", disk_cache=True, **options):
-        loss.backward()
-    assert_grads_equal(grads_of(params), want)
+    """One eager and one compiled backward of the model, the disk cache on (helpers.parity);
+    the counters are the test's."""
+    parity(lambda: model(x).pow(2).mean(), model.parameters(), lambda step: (), "aot_eager", steps=1, captures=None,
+           disk_cache=True, **options)
 
 
 def test_graph_is_loaded_instead_of_traced(tmp_path, monkeypatch):

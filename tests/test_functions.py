@@ -10,8 +10,7 @@ import torch.utils.checkpoint as checkpoint
 from torch.autograd.function import once_differentiable
 
 import compiled_autograd as ca
-from helpers import assert_grads_equal, grads_of
-from test_hooks import leaf, observe
+from helpers import assert_grads_equal, grads_of, leaf, observe
 
 
 class Scale(torch.autograd.Function):

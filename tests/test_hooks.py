@@ -15,53 +15,7 @@ import torch.nn as nn
 
 import compiled_autograd as ca
 from compiled_autograd.replay import calls as replay_calls
-from helpers import EXACT_BACKENDS, tolerance, assert_grads_equal, copies_in, grads_of, run_in_threads
-
-
-def _compare_logs(got, want, what, exact=False):
-    assert len(got) == len(want), f"{what}: {len(got)} observations vs eager {len(want)}:\n{got}\n{want}"
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert type(g) is type(w), f"{what} #{i}: {g!r} vs {w!r}"
-        if isinstance(w, tuple):
-            _compare_logs(list(g), list(w), f"{what} #{i}", exact)
-        elif isinstance(w, torch.Tensor) and exact:
-            assert_grads_equal([g], [w], what=f"{what} #{i}", exact=True)
-        elif isinstance(w, torch.Tensor):
-            torch.testing.assert_close(g, w, msg=lambda m: f"{what} #{i}: {m}")
-        else:
-            assert g == w, f"{what} #{i}: {g!r} vs {w!r}"
-
-
-def observe(build, backend="eager", steps=2, captures=1, n_opaque=0, hits=None, learning=0, **options):
-    """Eager, then compiled, per step: same grads and logs. `learning`: backwards run in eager to
-    learn what saved-tensor unpack hooks return (NOTE [Unpack metadata learned from the last
-    backward]); `n_opaque` per compiled backward."""
-    for step in range(steps):
-        runs = []
-        for compiled in (False, True):
-            log = []
-            torch.manual_seed(step)
-            loss, leaves = build(log, step)
-            if compiled:
-                with ca.enable(backend, fullgraph=True, **options):
-                    loss.backward()
-            else:
-                loss.backward()
-            runs.append((grads_of(leaves), log, leaves))
-        (want, want_log, _), (got, got_log, _) = runs
-        assert_grads_equal(got, want, what=f"step {step}", **tolerance(backend))
-        _compare_logs(got_log, want_log, f"step {step} log", exact=backend in EXACT_BACKENDS)
-    s = ca.stats()
-    assert s.eager_fallbacks == 0, s.fallback_reasons
-    assert s.captures == captures, s
-    assert s.learning_backwards == learning, s
-    assert s.hits == (steps - captures - learning if hits is None else hits), s
-    assert s.opaque_nodes == n_opaque * (steps - learning), s.opaque_reasons
-    return runs
-
-
-def leaf(*shape):
-    return torch.randn(*shape, requires_grad=True)
+from helpers import EXACT_BACKENDS, assert_grads_equal, compare, copies_in, grads_of, leaf, observe, run_in_threads
 
 
 def test_tensor_hooks_on_leaf_in_order_with_replacement_and_removal():
@@ -602,25 +556,17 @@ def test_multi_grad_hook_all_mode_fires_as_eager(filtered):
         )
         return (a * b).sum() + c.sum(), [x, y]
 
-    def run(compiled, step):
+    def run(step, scope):
         torch.manual_seed(step)
         log = []
         loss, leaves = build(log, step)
         kwargs = {"inputs": [leaves[0]]} if filtered else {}
-        if compiled:
-            with ca.enable("eager", fullgraph=True):
-                loss.backward(**kwargs)
-        else:
+        with scope:
             loss.backward(**kwargs)
+        assert len(log) == 1
         return grads_of(leaves), log
 
-    for step in range(2):
-        (got, got_log), (want, want_log) = run(True, step), run(False, step)
-        assert len(want_log) == 1
-        assert_grads_equal(got, want, what=f"step {step}", exact=True)
-        _compare_logs(got_log, want_log, f"step {step} log", exact=True)
-    s = ca.stats()
-    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
+    compare(run, "eager", captures=1, hits=1)
 
 
 @pytest.mark.parametrize("kind", ["leaf_hook", "nonleaf_hook", "retain_grad"])

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import compiled_autograd as ca
-from helpers import EXACT_BACKENDS, assert_grads_equal, grads_of, tolerance
+from helpers import assert_grads_equal, compare, grads_of, tolerance
 
 
 def _model():
@@ -119,12 +119,8 @@ def test_checkpointing_saves_memory_as_in_eager(backend, model, shape):
     # NOTE [Unpacking in the graph]: a checkpointed region is recomputed when the backward
     # reaches it, and its activations are freed as its nodes finish. Unpacking every hooked
     # tensor up front held all regions' activations at once: 3.7x eager's peak on this model.
-    import sys
-    from pathlib import Path
-
     import torch.utils.checkpoint as checkpoint
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.worker import tensor_peak_mb
 
     blocks = model()
@@ -170,10 +166,6 @@ def test_hooks_on_leaves_do_not_keep_the_activations_alive(module_hooks, accumul
     # Nor do modules' full backward hooks (their Function saves nothing).
     # And each weight's grad is the graph's own buffer, not a copy (NOTE [Stealing a fresh grad]);
     # with `.grad` already set (gradient accumulation), each new grad is freed once added.
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.worker import tensor_peak_mb
 
     model = _model()
@@ -214,10 +206,6 @@ def test_hooks_on_leaves_do_not_keep_the_activations_alive(module_hooks, accumul
 
 
 def _tensor_peak_mb(fn) -> float:
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.worker import tensor_peak_mb
 
     return tensor_peak_mb(fn)
@@ -231,37 +219,28 @@ def _mlp512(activation):
 def _training_step_peaks(model, loss_of, backend, seen=None, learning=0) -> dict:
     """Eager and compiled training steps on three inputs (a capture, then two hits; after
     `learning` backwards that learn what saved-tensor hooks return, in eager), their grads
-    (and `seen`: what hooks observed) compared with eager's; the tensor peaks of the last
-    compiled step and of its eager twin."""
+    (and `seen`: what hooks observed) compared with eager's by helpers.compare; the tensor
+    peaks of the last compiled step and of its eager twin."""
     params = list(model.parameters())
-    peaks = {}
-    for i in range(3 + learning):
-        x = torch.randn(256, 512)
-        for compiled in (False, True):
-            for p in params:
-                p.grad = None
-            if seen is not None:
-                seen.clear()
+    peaks, inputs = {}, {}
 
-            def step():
-                loss = loss_of(x)
-                if compiled:
-                    with ca.enable(backend, background=False, fullgraph=True):
-                        loss.backward()
-                else:
-                    loss.backward()
+    def run(step, scope):
+        if step not in inputs:
+            inputs[step] = torch.randn(256, 512)
+        for p in params:
+            p.grad = None
+        if seen is not None:
+            seen.clear()
 
-            peaks[compiled] = _tensor_peak_mb(step)
-            grads = grads_of(params)
-            if compiled:
-                assert_grads_equal(grads, want, **tolerance(backend), what=f"step {i}")
-                if seen is not None and backend in EXACT_BACKENDS:
-                    assert seen == want_seen, (seen, want_seen)
-                elif seen is not None:
-                    torch.testing.assert_close(seen, want_seen)
-            want, want_seen = grads, list(seen or ())
-    s = ca.stats()
-    assert (s.captures, s.hits, s.eager_fallbacks, s.learning_backwards) == (1, 2, 0, learning), s
+        def train_step():
+            loss = loss_of(inputs[step])
+            with scope:
+                loss.backward()
+
+        peaks[isinstance(scope, ca.enable)] = _tensor_peak_mb(train_step)
+        return grads_of(params), torch.tensor(seen or [], dtype=torch.float64)
+
+    compare(run, backend, 3 + learning, captures=1, hits=2, learning_backwards=learning, background=False)
     return peaks
 
 
