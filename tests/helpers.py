@@ -210,6 +210,11 @@ def observe(build, backend="eager", steps=2, captures=1, n_opaque=0, hits=None, 
     return built[-2:]
 
 
+def slot_kinds() -> list:
+    """The kinds of the calls in every cached graph's plan (replay/calls.py)."""
+    return [s.kind for e in ca.graphs() for s in e.plan.slots]
+
+
 def copies_in(fn) -> int:
     """The aten::copy_ calls of non-scalar tensors `fn` makes (AccumulateGrad's copy of a
     grad it cannot steal, a copy of what a hook returned; a scalar is the engine task our
