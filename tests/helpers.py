@@ -21,9 +21,13 @@ import contextlib
 import threading
 from typing import Callable, Sequence
 
+import pytest
 import torch
 
 import compiled_autograd as ca
+
+# a parametrized backend that compiles with inductor, marked so a fast run can leave it out
+INDUCTOR = pytest.param("inductor", marks=pytest.mark.inductor, id="inductor")
 
 
 def leaf(*shape):

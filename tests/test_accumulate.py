@@ -130,6 +130,7 @@ def test_in_graph_accumulate_steals_a_fresh_grad_as_eager_and_copies_a_users_ten
         ca.reset()
 
 
+@pytest.mark.inductor
 def test_inductor_in_graph_accumulate_with_reused_buffers_and_no_op_inputs():
     # NOTE [Stealing a fresh grad] with inductor: two same-shape weights accumulated in the
     # graph (hooks), whose dead grad buffers inductor may reuse for one another, and a zero
@@ -159,6 +160,7 @@ def test_inductor_in_graph_accumulate_with_reused_buffers_and_no_op_inputs():
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
 
 
+@pytest.mark.inductor
 def test_inductor_does_not_reuse_a_grad_buffer_handed_to_accumulate_grad():
     # w's grad (an mm result) becomes w.grad inside the graph; inductor would then write
     # the next same-sized result (h's grad) into that dead buffer (`buf3 = buf1  # reuse`):

@@ -130,6 +130,7 @@ def test_a_background_compile_leaves_the_users_random_numbers_alone():
     assert (s.captures, s.hits, s.compiles_pending) == (1, 1, 0), s
 
 
+@pytest.mark.slow
 def test_background_compile_cut_short_by_exit_is_quiet(tmp_path):
     # A script that ends while a background compile runs: the exit waits for it (NOTE
     # [Background compiles at exit]), while torch's executors refuse new work (seen: "cannot

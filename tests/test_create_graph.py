@@ -290,6 +290,7 @@ def test_saved_tensor_hooks_with_create_graph_fall_back_before_running_them():
     assert s.fallback_details["create_graph=True with saved-tensor hooks"] == 2
 
 
+@pytest.mark.inductor
 def test_inductor_gradient_penalty():
     step = _gradient_penalty_step(_critic(), second_in_scope=True)
     # (tol={}: torch.testing.assert_close's own tolerance)

@@ -67,6 +67,7 @@ def test_custom_function_graphs_are_not_stored(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("*.graph"))
 
 
+@pytest.mark.slow
 def test_second_process_skips_the_trace(tmp_path):
     script = textwrap.dedent(
         """
@@ -84,6 +85,8 @@ def test_second_process_skips_the_trace(tmp_path):
     assert out == [["1", "0"], ["0", "1"]]
 
 
+@pytest.mark.slow
+@pytest.mark.inductor
 def test_second_process_gets_inductors_code_from_its_cache(tmp_path):
     # NOTE [Inductor's FX graph cache for our graphs]: the second process loads the graph
     # (no trace) and inductor's generated code (an FX graph cache hit: no lowering, no

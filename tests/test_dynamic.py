@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import compiled_autograd as ca
-from helpers import assert_grads_equal, parity
+from helpers import INDUCTOR, assert_grads_equal, parity
 
 
 def stream(model, shapes, backend="eager", **options):
@@ -47,6 +47,7 @@ def test_mlp_many_batch_sizes_two_captures(backend):
     assert s.hits == len(shapes) - 2
 
 
+@pytest.mark.slow
 def test_transformer_batch_and_sequence_two_captures():
     rng = random.Random(1)
     shapes = [(rng.randint(3, 64), rng.randint(5, 128), 16) for _ in range(8)]
@@ -109,6 +110,7 @@ def test_view_sizes_saved_by_nodes_follow_the_batch():
     assert (s.captures, s.dynamic_captures) == (2, 1)
 
 
+@pytest.mark.inductor
 def test_dynamic_with_inductor():
     shapes = [(b, 16) for b in (6, 11, 40, 3)]
     s = stream(mlp(), shapes, "inductor")
@@ -216,6 +218,7 @@ class Checkpointed(nn.Module):
         return x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_checkpointed_blocks_many_batch_sizes_two_captures(backend):
     # the shapes of the tensors unpacked in the graph become symbols like any other size
@@ -276,7 +279,7 @@ class _ScaledByTensor(nn.Module):
         return (self.lin(x).double() * self.s).float() * self.n
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
 def test_lifted_scalar_tensors_keep_a_graph_dynamic(backend):
     # NOTE [No item symbols for lifted scalars] (capture/fakes.py): they got `.item()` symbols, which
     # AOTAutograd's float-tensorify pass answered by asking for a restart: every dynamic

@@ -250,6 +250,7 @@ class ReturnsKept(torch.autograd.Function):
         return ctx.kept, None
 
 
+@pytest.mark.inductor
 def test_opaque_node_returning_a_tensor_it_keeps_is_not_overwritten_by_the_graph():
     # NOTE [Outputs the graph owns]: inductor would reuse the node's output buffer in place
     kept = torch.ones(16, 16)

@@ -9,7 +9,9 @@ Every leaf's grad (values and strides) and every retained grad is compared with 
 where eager raises, the same error. CI runs 40 programs on eager, 10 on aot_eager and 3 on
 inductor, and 12 in three threads at once; `FUZZ_PROGRAMS=N` (from seed `FUZZ_FIRST`, default 0) runs more,
 `FUZZ_BACKEND=aot_eager|inductor` with another backend, `FUZZ_BACKGROUND=1` with background
-compiles (the traced graph replayed until the compiled one takes over).
+compiles (the traced graph replayed until the compiled one takes over). The fast subset
+(`-m "not slow and not inductor"`) runs the first 3 programs on eager and the first on
+aot_eager, a smoke test (the rest are marked slow: ~2-15 s each on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 import compiled_autograd as ca
 from fuzz_programs import build
-from helpers import EXACT_BACKENDS, assert_grads_equal, compare, parity, run_in_threads
+from helpers import EXACT_BACKENDS, INDUCTOR, assert_grads_equal, compare, parity, run_in_threads
 
 N = int(os.environ.get("FUZZ_PROGRAMS", "40"))
 FIRST = int(os.environ.get("FUZZ_FIRST", "0"))  # the first seed
@@ -132,28 +134,35 @@ def _check_counters(mode):
         assert s.eager_fallbacks == 0, s.fallback_reasons
 
 
-@pytest.mark.parametrize("seed", range(FIRST, FIRST + N))
+def _seeds(seeds, fast):
+    """The first `fast` programs in the fast subset, the rest marked slow (a program takes ~3 s
+    on eager on 2 CPU cores, up to ~15 s compiled)."""
+    return [s if i < fast else pytest.param(s, marks=pytest.mark.slow) for i, s in enumerate(seeds)]
+
+
+@pytest.mark.parametrize("seed", _seeds(range(FIRST, FIRST + N), fast=3))
 def test_random_program_matches_eager(seed):
     mode = MODES[seed % len(MODES)]
     if run_program(seed, BACKEND, mode):  # (a backward that raised, as eager's did, counts nothing)
         _check_counters(mode)
 
 
-@pytest.mark.parametrize("seed", range(max(N // 4, 1)))
+@pytest.mark.parametrize("seed", _seeds(range(max(N // 4, 1)), fast=1))
 def test_random_program_compiled_by_aot_autograd_matches_eager(seed):
     mode = MODES[seed % len(MODES)]
     if run_program(seed, "aot_eager", mode):
         _check_counters(mode)
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.inductor
+@pytest.mark.parametrize("seed", _seeds(range(3), fast=1))
 def test_random_program_compiled_by_inductor_matches_eager(seed):
     mode = MODES[seed % len(MODES)]
     if run_program(seed, "inductor", mode):
         _check_counters(mode)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
 def test_a_boolean_mask_index_in_a_grad_formula_compiles(backend):
     # found by the fuzzer (aot_eager, seed 60): `y[mask] = v` with a v that requires grad makes
     # the backward read `grad[mask]`, whose shape depends on the mask's values; AOTAutograd's
@@ -169,6 +178,7 @@ def test_a_boolean_mask_index_in_a_grad_formula_compiles(backend):
            background=False)
 
 
+@pytest.mark.inductor
 def test_a_mutated_buffer_read_after_a_loop_recompute_under_inductor():
     # found by the fuzzer (inductor, seed 20): topk's backward scatters into a copy of zeros,
     # and the add that reads the result was ordered before the scatter once the C++ backend
@@ -188,6 +198,7 @@ def test_a_mutated_buffer_read_after_a_loop_recompute_under_inductor():
            backend="inductor", background=False, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_graphs_get_no_tensor_without_data():
     # found by the fuzzer (inductor, seed 150, create_graph): the backward through a create_graph
     # result lifted a meta tensor and a ZeroTensor (no data: sgn's backward makes one, and the
@@ -211,6 +222,7 @@ def test_graphs_get_no_tensor_without_data():
     assert not bad, bad
 
 
+@pytest.mark.slow
 def test_random_programs_in_threads_match_eager():
     # three threads, each backward under its own enable() while the others run theirs: the
     # cache, the stats and the capture state are shared. The forwards take turns: dropout's

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import compiled_autograd as ca
 from compiled_autograd.replay import calls as replay_calls
-from helpers import EXACT_BACKENDS, assert_grads_equal, leaf, observe, slot_kinds
+from helpers import EXACT_BACKENDS, INDUCTOR, assert_grads_equal, leaf, observe, slot_kinds
 
 
 def test_post_accumulate_grad_hook_runs_an_optimizer_step():
@@ -30,7 +30,7 @@ def test_post_accumulate_grad_hook_runs_an_optimizer_step():
     observe(build)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
 def test_optimizer_step_in_backward_with_a_compiler(backend):
     # each parameter's hook updates it in place as soon as its grad is ready (the
     # optimizer-in-backward recipe); nodes that run before the hook in eager read the
@@ -69,7 +69,7 @@ def test_optimizer_step_in_backward_with_a_compiler(backend):
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 2, 0), s
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
 def test_a_leafs_tensor_hooks_and_its_accumulation_are_one_call(backend):
     # NOTE [A leaf's hooks and its accumulation in one call]: logging, scaling, reading the
     # leaf's own `.grad` (the old value: its hooks run before AccumulateGrad), a
@@ -97,7 +97,7 @@ def test_a_leafs_tensor_hooks_and_its_accumulation_are_one_call(backend):
     assert replay_calls.TENSOR_PRE_HOOKS not in kinds and replay_calls.ACCUMULATE not in kinds, kinds
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
 def test_a_leaf_hooks_grad_is_stolen_or_copied_as_eager(backend):
     # what a leaf's hook returns becomes `.grad` without a copy, as in eager, unless
     # something else still refers to it (a hook that keeps its grad): then AccumulateGrad copies

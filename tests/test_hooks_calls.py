@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import compiled_autograd as ca
 from compiled_autograd.replay import calls as replay_calls
-from helpers import EXACT_BACKENDS, assert_grads_equal, leaf, observe, run_in_threads, slot_kinds
+from helpers import EXACT_BACKENDS, INDUCTOR, assert_grads_equal, leaf, observe, run_in_threads, slot_kinds
 
 
 @contextlib.contextmanager
@@ -31,7 +31,7 @@ def _python_calls():
         replay_calls._install_calls(native)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
 def test_leaf_calls_run_in_the_helper_and_check_what_python_checks(backend):
     # NOTE [Calls in the helper]: on a hit, a hooked leaf's call and a leaf's
     # AccumulateGrad call (in the graph for its post-accumulate hook) do not go through
@@ -79,7 +79,7 @@ def test_leaf_calls_run_in_the_helper_and_check_what_python_checks(backend):
     assert sorted(slot_kinds()) == [replay_calls.ACCUMULATE] * 2 + [replay_calls.HOOKED_ACCUMULATE]  # b, x2; W
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
 def test_hook_and_node_calls_run_in_the_helper(backend):
     # NOTE [Calls in the helper]: tensor hooks on activations (one keeps what it returns),
     # a module's full backward hook (its pre- and post-hook calls) and an opaque node run

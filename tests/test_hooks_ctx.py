@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import compiled_autograd as ca
-from helpers import EXACT_BACKENDS, assert_grads_equal, leaf, observe
+from helpers import EXACT_BACKENDS, INDUCTOR, assert_grads_equal, leaf, observe
 
 
 class _KeepsWOnCtx(torch.autograd.Function):
@@ -21,7 +21,7 @@ class _KeepsWOnCtx(torch.autograd.Function):
         return g * ctx.W, None
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", INDUCTOR])
 def test_a_tensor_kept_on_ctx_that_an_earlier_hook_changes(backend):
     # p's post-accumulate hook updates W in place before the Function's backward runs, and
     # eager's backward reads the new W; inductor read the old one (x.grad off by 58). The
@@ -41,6 +41,7 @@ def test_a_tensor_kept_on_ctx_that_an_earlier_hook_changes(backend):
     observe(build, backend=backend, n_opaque=0, background=False)
 
 
+@pytest.mark.inductor
 def test_a_0_dim_tensor_kept_on_ctx_that_an_earlier_hook_changes():
     # passed on like any other: 0-dim tensors are left out only where they may be wrapped
     # numbers (saved variables of built-in nodes: `q * 3`'s 3 reaches a call as a number)
@@ -73,7 +74,7 @@ def _user_backend(gm, example_inputs):
     return gm  # a backend we know nothing of: what a call passes on is a copy
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor", _user_backend])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", INDUCTOR, _user_backend])
 def test_tensors_kept_on_ctx_that_two_hooks_change_between_reads(backend):
     # two post-accumulate hooks scale W in place; eager's first Function backward reads W
     # after the first, the second after both (each read, through the view too, follows the
@@ -156,7 +157,7 @@ class _CountsOnCtx(torch.autograd.Function):
         return g * 2 + ctx.c[0], None
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", INDUCTOR])
 def test_a_backward_that_changes_a_tensor_on_its_ctx_runs_in_place(backend):
     # the graph's functional code wrote that change back at the end (aot_eager, inductor)
     # or into a tensor a call had passed on: the hook after it saw the old value and c
@@ -189,7 +190,7 @@ class _UsesGradOnCtx(torch.autograd.Function):
         return g * ctx.G, None
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("backend", ["eager", INDUCTOR])
 def test_a_grad_kept_on_ctx_is_read_after_this_backward_accumulates_into_it(backend):
     # ctx.G is p.grad; eager's AccumulateGrad for p adds into it in place before the
     # Function's backward reads it. No hooks: AccumulateGrad ran after the graph, and the
@@ -317,7 +318,7 @@ def test_a_hook_on_a_function_that_saved_nothing_may_read_the_next_nodes_saved_t
     observe(build)
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("backend", ["eager", INDUCTOR])
 def test_a_hook_that_changes_a_saved_tensor_before_its_node_gets_eagers_error(backend):
     # MulBackward0 of (x * a) saved `a`; k's hook changes `a` in place before that node runs:
     # eager raises its version-counter error there. The first step's hook changes nothing

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import compiled_autograd as ca
-from helpers import assert_grads_equal, compare, grads_of, leaf, observe
+from helpers import INDUCTOR, assert_grads_equal, compare, grads_of, leaf, observe
 
 
 def test_node_pre_and_post_hooks():
@@ -118,7 +118,7 @@ def test_a_tensor_hook_giving_a_blocked_gradient_raises_eagers_error():
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
 def test_a_tensor_hook_on_a_gradient_that_is_none_compiles(backend):
     # the hook's call has no tensor but its flag output (a compiler places a call by its
     # tensors' device: inductor's lowering failed and every backward fell back)

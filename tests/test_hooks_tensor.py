@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import compiled_autograd as ca
-from helpers import EXACT_BACKENDS, assert_grads_equal, copies_in, leaf, observe
+from helpers import EXACT_BACKENDS, INDUCTOR, assert_grads_equal, copies_in, leaf, observe
 
 
 def test_tensor_hooks_on_leaf_in_order_with_replacement_and_removal():
@@ -103,6 +103,7 @@ def test_hooks_with_aot_eager():
     observe(build, backend="aot_eager")
 
 
+@pytest.mark.inductor
 def test_hooks_with_inductor():
     def build(log, step):
         x = leaf(8, 8)
@@ -128,6 +129,7 @@ def test_hook_error_propagates_like_eager():
     assert str(compiled.value) == str(eager.value)
 
 
+@pytest.mark.inductor
 def test_hook_returning_a_tensor_it_keeps_is_not_overwritten_by_the_graph():
     # inductor reuses a dead buffer in place (`buf3 = buf2; del buf2  # reuse`): a
     # hook's result that something else still refers to must not become such a buffer
@@ -163,7 +165,7 @@ def test_hooks_run_in_the_backward_calls_dispatch_state():
     observe(build, "aot_eager", background=False)
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("backend", ["eager", INDUCTOR])
 def test_hook_that_modifies_a_shared_gradient_in_place_raises(backend):
     # AddBackward gives both branches one tensor; a's hook changes it in place, which
     # PyTorch's hooks must not do. Eager's other branch sees the change or not by engine
@@ -195,7 +197,7 @@ def test_hook_that_modifies_a_shared_gradient_in_place_raises(backend):
         run(True, 0, True)
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", INDUCTOR])
 def test_hooks_that_return_their_grad_unchanged_cost_no_copy(backend):
     # logging hooks (returning None) on every parameter and on activations: each call gives
     # back its own input, which the graph reads nowhere else, so no copy is made (NOTE
@@ -237,7 +239,7 @@ def test_hooks_that_return_their_grad_unchanged_cost_no_copy(backend):
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
 def test_a_grad_a_hook_keeps_is_not_overwritten_by_the_graph(backend):
     # a logging hook stores the grad it is given (and returns None); a later hook uses it.
     # Inductor wrote later results into that buffer, through the call's input and through
@@ -391,6 +393,7 @@ def test_the_root_runs_its_tensor_hooks_when_it_leads_to_no_input(root):
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
 
 
+@pytest.mark.inductor
 def test_hooks_run_in_eagers_order_under_inductor():
     # post-accumulate hooks on every parameter, no data between them: inductor ran a call
     # whose outputs were needed early before the one traced ahead of it (the ORDERED

@@ -58,6 +58,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["ot", "to", "otot"])
 def test_both_compiled_autograds_in_one_process(order):
     r = subprocess.run([sys.executable, "-c", SCRIPT, order], capture_output=True, text=True, timeout=300)

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import compiled_autograd as ca
-from helpers import assert_grads_equal, compare, grads_of, tolerance
+from helpers import INDUCTOR, assert_grads_equal, compare, grads_of, tolerance
 
 
 def _model():
@@ -18,7 +18,7 @@ def _model():
     return nn.Sequential(*layers)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
 def test_saved_tensors_are_freed_inside_the_graph(backend):
     # On a hit, the compiled graph holds the only references to the saved
     # activations and drops each at its last use: by the time the graph
@@ -64,6 +64,7 @@ def test_saved_tensors_are_freed_inside_the_graph(backend):
     assert seen["alive"] <= 2, seen
 
 
+@pytest.mark.slow
 def test_retain_graph_keeps_saved_tensors_for_the_next_backward():
     # with retain_graph the saved tensors are not handed over to the graph:
     # a second backward through the same autograd graph (a hit) still works
@@ -103,16 +104,17 @@ def _checkpointed_transformer():
     return nn.ModuleList(nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True) for _ in range(4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "backend, model, shape",
     [
         ("eager", _checkpointed_blocks, (2048, 256)),
         ("aot_eager", _checkpointed_blocks, (2048, 256)),
-        ("inductor", _checkpointed_blocks, (2048, 256)),
+        pytest.param("inductor", _checkpointed_blocks, (2048, 256), marks=pytest.mark.inductor),
         # inductor left weight grads (graph results nothing consumes) for later, keeping their
         # inputs alive while the next layer was recomputed: 1.16x eager's peak here, before
         # the unpack calls took them as inputs
-        ("inductor", _checkpointed_transformer, (16, 128, 256)),
+        pytest.param("inductor", _checkpointed_transformer, (16, 128, 256), marks=pytest.mark.inductor),
     ],
 )
 def test_checkpointing_saves_memory_as_in_eager(backend, model, shape):
@@ -157,6 +159,7 @@ def test_checkpointing_saves_memory_as_in_eager(backend, model, shape):
     assert peaks[True] <= 1.1 * peaks[False], peaks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module_hooks,accumulate", [(False, False), (True, False), (False, True)])
 def test_hooks_on_leaves_do_not_keep_the_activations_alive(module_hooks, accumulate):
     # DDP-like: a post-accumulate hook on every parameter, and a tensor hook on one, put
@@ -244,8 +247,9 @@ def _training_step_peaks(model, loss_of, backend, seen=None, learning=0) -> dict
     return peaks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hooks", ["tensor", "module"])
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
 def test_hooks_on_activations_do_not_keep_them_alive(hooks, backend):
     # A logging tensor hook on every activation, or a full backward hook on every module.
     # A tensor hook may read its node's saved tensors, so a hit used to keep every saved
@@ -272,7 +276,8 @@ def test_hooks_on_activations_do_not_keep_them_alive(hooks, backend):
     assert peaks[True] <= 1.1 * peaks[False], peaks
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
 def test_a_compressing_saved_tensor_hook_keeps_its_memory_saving(backend):
     # pack: float16 copies; unpack: back to float32. Eager unpacks each when its node runs,
     # so only one float32 copy is alive at a time. A hit unpacks each in the graph too, with

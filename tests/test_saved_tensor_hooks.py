@@ -274,6 +274,7 @@ def test_an_error_in_the_learning_backward_is_the_users_and_runs_nothing_twice(r
     assert (s.captures, s.hits, s.eager_fallbacks) == (0, 0, 0), s
 
 
+@pytest.mark.slow
 def test_a_learning_backward_through_nodes_that_free_their_saved_variables():
     # a Foreach node's release destroys its saved variables themselves (it clears their vector):
     # putting back hooks there read freed memory (a segfault once the vector was large)
