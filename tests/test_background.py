@@ -94,37 +94,42 @@ def test_a_background_compile_leaves_the_users_random_numbers_alone():
     # their work in dynamo's preserve_rng_state, which sets the global generator back to where
     # it was when the compile started; in a background compile that undid the user's draws of
     # meanwhile (dropout masks, shuffles), and the next ones repeated them. The backend here
-    # does what they do, for long enough that the user's thread draws inside
-    import time
+    # does what they do, and stays inside until the user's thread has drawn (events, not time)
+    import threading
+
+    inside, drawn = threading.Event(), threading.Event()
 
     def slow_backend(gm, example_inputs):
         with torch._dynamo.utils.preserve_rng_state():
-            time.sleep(0.3)
+            inside.set()
+            assert drawn.wait(30)
         return gm
 
     w = torch.randn(16, 16, requires_grad=True)
 
-    def run(compiled, pending=None):
-        """The user's draws: while the compile runs (as many as `pending` says, in eager), then
-        20 more, then the next step's forward and backward (through the compiled graph)."""
+    def run(compiled):
+        """The user's draws: 15 while the compile is inside preserve_rng_state (as many in
+        eager), then 20 more once it has ended, then the next step's forward and backward
+        (through the compiled graph) and 20 more."""
         torch.manual_seed(0)
-        draws, counts = [], []
+        draws = []
         for step in range(2):
             loss = torch.nn.functional.dropout(torch.randn(8, 16) @ w, 0.5, training=True).tanh().sum()
             with ca.enable(slow_backend, background=True) if compiled else contextlib.nullcontext():
                 loss.backward()
-            n = 0
-            while (ca.stats().compiles_pending if compiled else n < pending[step]):
-                draws.append(torch.rand(1).item())
-                n += 1
-                time.sleep(0.001)
-            counts.append(n)
+            if step == 0:
+                if compiled:
+                    assert inside.wait(30)
+                draws += [torch.rand(1).item() for _ in range(15)]
+                if compiled:
+                    assert ca.stats().compiles_pending == 1  # (drawn while the compile ran)
+                    drawn.set()
+                    assert ca.synchronize(timeout=30)
             draws += [torch.rand(1).item() for _ in range(20)]
-        return draws, counts
+        return draws
 
-    got, counts = run(True)
-    want, _ = run(False, counts)
-    assert counts[0] > 10  # (drawn while the compile ran)
+    got = run(True)
+    want = run(False)
     assert got == want
     s = ca.stats()
     assert (s.captures, s.hits, s.compiles_pending) == (1, 1, 0), s
@@ -141,15 +146,18 @@ def test_background_compile_cut_short_by_exit_is_quiet(tmp_path):
 
     script = tmp_path / "ends_early.py"
     script.write_text(
-        "import sys, threading, time, torch, compiled_autograd as ca\n"
+        "import sys, threading, torch, compiled_autograd as ca\n"
+        "exiting = threading.Event()\n"
         "def backend(gm, example_inputs):\n"
         "    if sys.argv[1] == 'exit':\n"
-        "        while threading.main_thread().is_alive() and not getattr(threading, '_SHUTTING_DOWN', False):\n"
-        "            time.sleep(0.01)\n"
+        "        assert exiting.wait(60)  # (the interpreter's shutdown has begun)\n"
         "    raise RuntimeError('torn down')\n"
         "w = torch.randn(4, requires_grad=True)\n"
         "with ca.enable(backend, background=True, disk_cache=False):\n"
         "    w.exp().sum().backward()\n"
+        "# threading runs its exit hooks in reverse: this one, registered after compiled_autograd's\n"
+        "# (at its first background compile), runs first, before that one waits for the compile\n"
+        "threading._register_atexit(exiting.set)\n"
         "if sys.argv[1] == 'run':\n"
         "    ca.synchronize(30)\n"
         "print('failures', ca.stats().compile_failures, flush=True)\n"
