@@ -1,15 +1,10 @@
 import os
-import sys
 import warnings
-from pathlib import Path
 
 os.environ.setdefault("COMPILED_AUTOGRAD_DISK_CACHE", "0")  # tests count captures; test_diskcache opts in
 
 import pytest
 import torch
-
-# the repository's dev tools (tools/, benchmarks/) are imported from the checkout, not installed
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import compiled_autograd as ca
 

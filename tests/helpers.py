@@ -1,12 +1,37 @@
-"""Shared test helpers: parity with eager through one cache entry."""
+"""Shared test helpers: the one eager-vs-compiled driver, and what the tests compare with.
+
+The driver family, one core and its shorthands:
+
+    compare(run, backend, steps, captures=, hits=, ...)   the core: `run(step, scope)` once
+        in eager (scope: a null context) and once compiled (scope: ca.enable(backend,
+        fullgraph=True, **options)) per step; what the two return is compared (bitwise on
+        EXACT_BACKENDS, else with the backend's tolerance) and the counters it adds are checked
+    parity(loss_fn, leaves, make_inputs, ...)            fixed leaves, new inputs per step:
+        their grads and strides; one capture, then hits
+    observe(build, ...)                                  a fresh forward per step whose hooks
+        write a log: the grads and the log; learning backwards and opaque nodes counted
+
+A test with a genuinely different run (create_graph's double backward, the fuzzer's program
+modes) keeps a small runner of its own and hands it to `compare`.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Callable, Sequence
 
+import pytest
 import torch
 
 import compiled_autograd as ca
+
+# a parametrized backend that compiles with inductor, marked so a fast run can leave it out
+INDUCTOR = pytest.param("inductor", marks=pytest.mark.inductor, id="inductor")
+
+
+def leaf(*shape):
+    return torch.randn(*shape, requires_grad=True)
 
 
 def grads_of(leaves):
@@ -22,25 +47,105 @@ def tolerance(backend) -> dict:
     return {"exact": True} if backend in EXACT_BACKENDS else {"rtol": 1e-4, "atol": 1e-5}
 
 
-def assert_grads_equal(got, want, rtol=None, atol=None, what="", exact=False):
-    assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want)):
-        if w is None:
-            assert g is None, f"{what} grad {i}: expected None, got a tensor"
-            continue
-        assert g is not None, f"{what} grad {i}: expected a tensor, got None"
-        assert g.shape == w.shape and g.dtype == w.dtype, f"{what} grad {i}: {g.shape}/{g.dtype} vs {w.shape}/{w.dtype}"
+def _bitwise(g, w) -> bool:
+    # (NaN-aware: NaN where eager has NaN; infinities are kept, not mapped to finite values)
+    inf = float("inf")
+    return torch.equal(g, w) or (
+        g.is_floating_point()
+        and torch.equal(g.isnan(), w.isnan())
+        and torch.equal(g.nan_to_num(0.0, posinf=inf, neginf=-inf), w.nan_to_num(0.0, posinf=inf, neginf=-inf))
+    )
+
+
+def assert_same(got, want, what="", *, exact=False, tol=None, requires_grad=False, strides=False):
+    """What a compiled run gave against what eager gave: tensors (bitwise where `exact`, else
+    `torch.testing.assert_close` with `tol`: a dict, or a function of eager's tensor giving
+    one), None, nested tuples and lists, and any other value by ==. `requires_grad`: tensors
+    must agree on it too (create_graph); `strides`: and on their strides."""
+    if want is None:
+        assert got is None, f"{what}: expected None, got {type(got).__name__}"
+    elif isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f"{what}: expected a tensor, got {got!r}"
+        if requires_grad:
+            assert got.requires_grad == want.requires_grad, f"{what}: requires_grad {got.requires_grad} vs eager {want.requires_grad}"
+            got, want = got.detach(), want.detach()
+        assert got.shape == want.shape and got.dtype == want.dtype, f"{what}: {got.shape}/{got.dtype} vs {want.shape}/{want.dtype}"
         if exact:
-            # (NaN-aware: NaN where eager has NaN; infinities are kept, not mapped to finite values)
-            inf = float("inf")
-            same = torch.equal(g, w) or (
-                g.is_floating_point()
-                and torch.equal(g.isnan(), w.isnan())
-                and torch.equal(g.nan_to_num(0.0, posinf=inf, neginf=-inf), w.nan_to_num(0.0, posinf=inf, neginf=-inf))
-            )
-            assert same, f"{what} grad {i}: not bitwise equal to eager (max diff {(g.double() - w.double()).abs().max().item() if g.numel() else 0})"
+            diff = (got.double() - want.double()).abs().max().item() if got.numel() else 0
+            assert _bitwise(got, want), f"{what}: not bitwise equal to eager (max diff {diff})"
         else:
-            torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=lambda m: f"{what} grad {i}: {m}")
+            kw = tol(want) if callable(tol) else (tol or {})
+            torch.testing.assert_close(got, want, **kw, msg=lambda m: f"{what}: {m}")
+        if strides:
+            assert got.stride() == want.stride(), f"{what}: strides {got.stride()} vs {want.stride()}"
+    elif isinstance(want, (tuple, list)):
+        assert type(got) is type(want), f"{what}: {got!r} vs eager's {want!r}"
+        assert len(got) == len(want), f"{what}: {len(got)} values vs eager's {len(want)}:\n{got}\n{want}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"{what} #{i}", exact=exact, tol=tol, requires_grad=requires_grad, strides=strides)
+    else:
+        assert type(got) is type(want) and got == want, f"{what}: {got!r} vs eager's {want!r}"
+
+
+def assert_grads_equal(got, want, rtol=None, atol=None, what="", exact=False):
+    """Two lists of grads (tensors or None), element by element: bitwise where `exact`."""
+    assert len(got) == len(want), f"{what}: {len(got)} grads vs {len(want)}"
+    tol = None if rtol is None and atol is None else {"rtol": rtol, "atol": atol}
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_same(g, w, f"{what} grad {i}", exact=exact, tol=tol)
+
+
+@contextlib.contextmanager
+def counts(*, captures=None, hits=None, learning_backwards=None, opaque_nodes=None, eager_fallbacks=0):
+    """What the block adds to ca.stats(), each counter that is not None checked (eager
+    fallbacks: none, unless said otherwise)."""
+    start = ca.stats()
+    yield
+    end = ca.stats()
+    want = {"captures": captures, "hits": hits, "learning_backwards": learning_backwards, "opaque_nodes": opaque_nodes, "eager_fallbacks": eager_fallbacks}
+    for name, n in want.items():
+        if n is not None:
+            added = getattr(end, name) - getattr(start, name)
+            why = end.fallback_reasons if name == "eager_fallbacks" else end.opaque_details if name == "opaque_nodes" else end
+            assert added == n, f"{name}: {added}, expected {n}: {why}"
+
+
+def compare(
+    run: Callable,
+    backend="eager",
+    steps: int = 2,
+    *,
+    captures=None,
+    hits=None,
+    learning_backwards=None,
+    opaque_nodes=None,
+    eager_fallbacks=0,
+    exact=None,
+    tol=None,
+    requires_grad=False,
+    strides=False,
+    what="step",
+    **options,
+) -> list:
+    """The driver's core. Per step, `run(step, scope)` in eager (scope: a null context), then
+    compiled (scope: ca.enable(backend, fullgraph=True, **options)); each run does its forward
+    and its backward under `scope` and returns what to compare (see assert_same): bitwise on
+    EXACT_BACKENDS unless a `tol` is given, else with `tol` or the backend's tolerance.
+    The counters the steps add are checked as `counts` checks them. Returns, per step,
+    (eager's, compiled's)."""
+    if exact is None:
+        exact = backend in EXACT_BACKENDS and tol is None
+    if tol is None and not exact:
+        tol = {k: v for k, v in tolerance(backend).items() if k != "exact"}
+    options = {"fullgraph": True, **options}
+    results = []
+    with counts(captures=captures, hits=hits, learning_backwards=learning_backwards, opaque_nodes=opaque_nodes, eager_fallbacks=eager_fallbacks):
+        for step in range(steps):
+            want = run(step, contextlib.nullcontext())
+            got = run(step, ca.enable(backend, **options))
+            assert_same(got, want, f"{what} {step}", exact=exact, tol=tol, requires_grad=requires_grad, strides=strides)
+            results.append((want, got))
+    return results
 
 
 def parity(
@@ -49,40 +154,69 @@ def parity(
     make_inputs: Callable[[int], tuple],
     backend="eager",
     steps: int = 2,
-    captures: int = 1,
+    captures=1,
     rtol=None,
     atol=None,
     check_strides: bool = True,
+    seed: bool = True,
     **enable_kwargs,
 ):
-    """Run `steps` backwards with different inputs, eager then compiled, compare
-    every leaf's grad, and check that only the first compiled one captured."""
+    """`steps` backwards of loss_fn(*make_inputs(step)) with different inputs, eager then
+    compiled: every leaf's grad (and its strides) compared, and only the first compiled one
+    captured (`captures=None`: the counters are the caller's to check). `seed`: each forward
+    starts from torch.manual_seed(step) (the same random numbers in both)."""
     leaves = list(leaves)
-    start = ca.stats()
-    for step in range(steps):
-        inputs = make_inputs(step)
+    inputs = {}
+
+    def run(step, scope):
+        if step not in inputs:
+            inputs[step] = make_inputs(step)  # once per step: eager and compiled get the same
         for t in leaves:
             t.grad = None
-        torch.manual_seed(step)
-        loss_fn(*inputs).backward()
-        want = grads_of(leaves)
-        for t in leaves:
-            t.grad = None
-        torch.manual_seed(step)
-        loss = loss_fn(*inputs)
-        with ca.enable(backend, fullgraph=True, **enable_kwargs):
+        if seed:
+            torch.manual_seed(step)
+        loss = loss_fn(*inputs[step])
+        with scope:
             loss.backward()
-        got = grads_of(leaves)
-        exact = backend in EXACT_BACKENDS and rtol is None and atol is None
-        assert_grads_equal(got, want, rtol, atol, what=f"step {step}", exact=exact)
-        if check_strides:
-            for i, (t, w) in enumerate(zip(leaves, want)):
-                if w is not None:
-                    assert t.grad.stride() == w.stride(), f"step {step} grad {i}: stride {t.grad.stride()} vs {w.stride()}"
-    end = ca.stats()
-    assert end.eager_fallbacks == start.eager_fallbacks, end.fallback_reasons
-    assert end.captures - start.captures == captures, f"captures: {end}"
-    assert end.hits - start.hits == steps - captures, f"hits: {end}"
+        layout = [None if t.grad is None else t.grad.stride() for t in leaves] if check_strides else None
+        return grads_of(leaves), layout
+
+    tol = None if rtol is None and atol is None else {"rtol": rtol, "atol": atol}
+    hits = None if captures is None else steps - captures
+    return compare(run, backend, steps, captures=captures, hits=hits, tol=tol, **enable_kwargs)
+
+
+def observe(build, backend="eager", steps=2, captures=1, n_opaque=0, hits=None, learning=0, **options):
+    """Per step, a fresh forward `build(log, step)` -> (loss, leaves) whose hooks append what
+    they see to `log`, eager then compiled: the same grads and logs. `learning`: backwards run
+    in eager to learn what saved-tensor unpack hooks return (NOTE [Unpack metadata learned
+    from the last backward]); `n_opaque` per compiled backward. Returns the last step's
+    [(grads, log, leaves) of eager, of compiled]."""
+    built = []
+
+    def run(step, scope):
+        log = []
+        torch.manual_seed(step)
+        loss, leaves = build(log, step)
+        with scope:
+            loss.backward()
+        built.append((grads_of(leaves), log, leaves))
+        return built[-1][:2]
+
+    compare(
+        run, backend, steps,
+        captures=captures,
+        hits=steps - captures - learning if hits is None else hits,
+        learning_backwards=learning,
+        opaque_nodes=n_opaque * (steps - learning),
+        **options,
+    )
+    return built[-2:]
+
+
+def slot_kinds() -> list:
+    """The kinds of the calls in every cached graph's plan (replay/calls.py)."""
+    return [s.kind for e in ca.graphs() for s in e.plan.slots]
 
 
 def copies_in(fn) -> int:
@@ -95,10 +229,15 @@ def copies_in(fn) -> int:
 
 
 def run_in_threads(target, args_per_thread) -> None:
-    """Start one thread per argument tuple, all at once, and wait for every one."""
-    import threading
+    """One thread per argument tuple; they wait for each other at a barrier, so that every
+    target starts while the others run, and each is waited for."""
+    barrier = threading.Barrier(len(args_per_thread), timeout=60)
 
-    threads = [threading.Thread(target=target, args=args) for args in args_per_thread]
+    def start(*args):
+        barrier.wait()
+        target(*args)
+
+    threads = [threading.Thread(target=start, args=args) for args in args_per_thread]
     for t in threads:
         t.start()
     for t in threads:

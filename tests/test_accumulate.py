@@ -4,18 +4,7 @@ import pytest
 import torch
 
 import compiled_autograd as ca
-from helpers import assert_grads_equal, copies_in
-
-
-def both(fn, leaves_factory, backend="eager"):
-    """Build leaves twice (eager / compiled), run fn on each; return both leaf lists."""
-    eager_leaves = leaves_factory()
-    fn(eager_leaves).backward()
-    comp_leaves = leaves_factory()
-    loss = fn(comp_leaves)
-    with ca.enable(backend, fullgraph=True):
-        loss.backward()
-    return eager_leaves, comp_leaves
+from helpers import assert_grads_equal, copies_in, parity
 
 
 def test_grad_none_is_assigned_then_accumulated_in_place():
@@ -78,10 +67,8 @@ def test_layout_contract_channels_last_and_transposed_params():
         x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
         return torch.nn.functional.conv2d(x, w).pow(2).mean() + (torch.ones(4, 5) @ v).pow(2).sum()
 
-    e, c = both(fn, leaves)
-    for a, b in zip(e, c):
-        assert a.grad.stride() == b.grad.stride()
-    assert_grads_equal([b.grad for b in c], [a.grad for a in e], exact=True)
+    ls = leaves()
+    parity(lambda: fn(ls), ls, lambda step: (), steps=1)  # (grads bitwise, and their strides)
 
 
 def test_leaf_used_as_root():
@@ -103,8 +90,8 @@ def test_mixed_precision_leaf():
         a, b = ls
         return (a.float() @ torch.ones(4, 4)).sum() + (b.float() * 3).pow(2).sum()
 
-    e, c = both(fn, leaves)
-    assert_grads_equal([b.grad for b in c], [a.grad for a in e], exact=True)  # (dtypes too)
+    ls = leaves()
+    parity(lambda: fn(ls), ls, lambda step: (), steps=1)  # (dtypes too)
 
 
 def test_in_graph_accumulate_steals_a_fresh_grad_as_eager_and_copies_a_users_tensor():
@@ -143,6 +130,7 @@ def test_in_graph_accumulate_steals_a_fresh_grad_as_eager_and_copies_a_users_ten
         ca.reset()
 
 
+@pytest.mark.inductor
 def test_inductor_in_graph_accumulate_with_reused_buffers_and_no_op_inputs():
     # NOTE [Stealing a fresh grad] with inductor: two same-shape weights accumulated in the
     # graph (hooks), whose dead grad buffers inductor may reuse for one another, and a zero
@@ -172,6 +160,7 @@ def test_inductor_in_graph_accumulate_with_reused_buffers_and_no_op_inputs():
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
 
 
+@pytest.mark.inductor
 def test_inductor_does_not_reuse_a_grad_buffer_handed_to_accumulate_grad():
     # w's grad (an mm result) becomes w.grad inside the graph; inductor would then write
     # the next same-sized result (h's grad) into that dead buffer (`buf3 = buf1  # reuse`):

@@ -113,6 +113,7 @@ def test_create_graph_runs_a_region_as_is():
     assert s.fallback_details["create_graph=True with an opaque node"] == 2, s.fallback_details
 
 
+@pytest.mark.inductor
 def test_an_inductor_compiled_region():
     # inductor's forward: its partitioner's backward, with the view-to-reshape rewrite. The
     # reference runs the region's backward with inductor's fused kernels, our aot_eager graph

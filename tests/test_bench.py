@@ -1,13 +1,8 @@
 """The benchmark's memory measure: the peak of the allocator's events, exact to the byte."""
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.worker import tensor_peak_mb  # noqa: E402
+from benchmarks.worker import tensor_peak_mb
 
 MB = 2**20
 

@@ -5,23 +5,13 @@ import torch
 import torch.nn.functional as F
 
 import compiled_autograd as ca
-from helpers import assert_grads_equal, grads_of, tolerance
+from helpers import parity
 
 
 def run_both(fn, leaves, backend="eager"):
-    """Eager then compiled backward of fn(); compare grads; return the compiled grads."""
-    for t in leaves:
-        t.grad = None
-    fn().backward()
-    want = grads_of(leaves)
-    for t in leaves:
-        t.grad = None
-    loss = fn()
-    with ca.enable(backend, fullgraph=True):
-        loss.backward()
-    got = grads_of(leaves)
-    assert_grads_equal(got, want, **tolerance(backend))
-    return got
+    """One eager and one compiled backward of fn() (helpers.parity, unseeded: the caller's
+    random state moves on); the counters are the test's."""
+    parity(fn, leaves, lambda step: (), backend, steps=1, captures=None, seed=False)
 
 
 def captures_for(variants, shape=(3, 4)):

@@ -75,20 +75,24 @@ def _run(**kw):
         trace_log.setLevel(level)
 
 
+@pytest.mark.slow
 def test_conformance_ops_eager():
     _check(_run(backend="eager", ops=True, modules=False), min_cases=500)
 
 
+@pytest.mark.slow
 def test_conformance_modules_eager():
     _check(_run(backend="eager", ops=False, modules=True), min_cases=100)
 
 
+@pytest.mark.slow
 def test_conformance_ops_aot_eager_sample():
     # ~20 ops spread over the table, deterministic
     n = len(conf.select_ops())
     _check(_run(backend="aot_eager", ops=True, modules=False, every=max(1, n // 20)), min_cases=20)
 
 
+@pytest.mark.slow
 def test_conformance_disk_cache_sample():
     # every 4th op, two samples each (samples of one op differ in sizes and constants): each
     # case also runs from a graph loaded from the on-disk cache (in a temporary directory),
@@ -97,6 +101,7 @@ def test_conformance_disk_cache_sample():
            min_cases=100)
 
 
+@pytest.mark.slow
 def test_conformance_create_graph_sample():
     # every 3rd op and module (~half a minute): grad(create_graph=True) compiled, then a
     # backward through it, compiled too; first- and second-order grads and which first-order

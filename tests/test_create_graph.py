@@ -10,40 +10,17 @@ import pytest
 import torch
 
 import compiled_autograd as ca
-from helpers import EXACT_BACKENDS, assert_grads_equal
-
-
-def _scope(compiled, backend):
-    return ca.enable(backend, fullgraph=True) if compiled else contextlib.nullcontext()
-
-
-def _same(got, want, what, exact=False):
-    """`exact`: bitwise (a backend that runs eager's kernels in eager's order)."""
-    assert len(got) == len(want), what
-    for i, (g, w) in enumerate(zip(got, want)):
-        if w is None:
-            assert g is None, f"{what} #{i}: expected None"
-            continue
-        assert g is not None, f"{what} #{i}: expected a tensor"
-        assert g.requires_grad == w.requires_grad, f"{what} #{i}: requires_grad {g.requires_grad} vs eager {w.requires_grad}"
-        if exact:
-            assert_grads_equal([g.detach()], [w.detach()], what=f"{what} #{i}", exact=True)
-        else:
-            torch.testing.assert_close(g.detach(), w.detach(), msg=lambda m: f"{what} #{i}: {m}")
+from helpers import assert_grads_equal, compare
 
 
 def _parity(step, backend, steps=2, captures=1, hits=None):
-    """step(seed, first, second): the values to compare; `first`/`second` are the
-    scopes of the create_graph backward and of the backward through it."""
-    start = ca.stats()
-    for seed in range(steps):
-        want = step(seed, contextlib.nullcontext(), contextlib.nullcontext())
-        got = step(seed, _scope(True, backend), _scope(False, backend))
-        _same(got, want, f"step {seed}", exact=backend in EXACT_BACKENDS)
-    end = ca.stats()
-    assert end.eager_fallbacks == start.eager_fallbacks, end.fallback_reasons
-    assert end.captures - start.captures == captures, end
-    assert end.hits - start.hits == (steps * (1 if hits is None else hits)) - captures, end
+    """step(seed, first, second): the values to compare, each also by whether it requires
+    grad; `first`/`second` are the scopes of the create_graph backward and of the backward
+    through it (`second` eager here). `hits`: compiled backwards per step (helpers.compare)."""
+    compare(
+        lambda seed, scope: step(seed, scope, contextlib.nullcontext()), backend, steps,
+        captures=captures, hits=steps * (1 if hits is None else hits) - captures, requires_grad=True,
+    )
 
 
 def _critic():
@@ -313,15 +290,12 @@ def test_saved_tensor_hooks_with_create_graph_fall_back_before_running_them():
     assert s.fallback_details["create_graph=True with saved-tensor hooks"] == 2
 
 
+@pytest.mark.inductor
 def test_inductor_gradient_penalty():
     step = _gradient_penalty_step(_critic(), second_in_scope=True)
-    start = ca.stats()
-    for seed in range(2):
-        want = step(seed, contextlib.nullcontext(), None)
-        got = step(seed, ca.enable("inductor", background=False), None)
-        _same(got, want, f"step {seed}")
-    end = ca.stats()
-    assert (end.captures - start.captures, end.hits - start.hits, end.eager_fallbacks) == (2, 2, 0), end
+    # (tol={}: torch.testing.assert_close's own tolerance)
+    compare(lambda seed, scope: step(seed, scope, None), "inductor", captures=2, hits=2, requires_grad=True, tol={},
+            fullgraph=False, background=False)
 
 
 def test_in_place_view_updates_split_where_the_mutation_is_of_a_fresh_temporary():

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import compiled_autograd as ca
-from helpers import assert_grads_equal, grads_of, parity
+from helpers import INDUCTOR, assert_grads_equal, grads_of, parity
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -32,14 +32,14 @@ def _mlp(d=64, layers=3):
     return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(d, d), nn.GELU(), nn.LayerNorm(d))]).to(DEV)
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", INDUCTOR])
 def test_mlp(backend):
     net = _mlp()
     parity(lambda x: net(x).pow(2).mean(), net.parameters(), lambda s: (torch.randn(16, 64, device=DEV) + s,),
            backend=backend, **TOL)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
 def test_transformer_layer(backend):
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True).to(DEV)
@@ -47,6 +47,7 @@ def test_transformer_layer(backend):
            backend=backend, **TOL)
 
 
+@pytest.mark.inductor
 def test_cnn_inductor():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
@@ -55,6 +56,7 @@ def test_cnn_inductor():
            backend="inductor", **TOL)
 
 
+@pytest.mark.inductor
 def test_autocast_bf16_inductor():
     net = _mlp()
 
@@ -66,6 +68,7 @@ def test_autocast_bf16_inductor():
            rtol=2e-2, atol=2e-3, background=False)
 
 
+@pytest.mark.inductor
 def test_hooks_inductor():
     """Tensor hooks on parameters, a module's full backward hook and post-accumulate hooks: calls
     out of the compiled CUDA code, their results conformed to the graph's devices."""
@@ -80,6 +83,7 @@ def test_hooks_inductor():
     assert seen and set(seen) == {torch.device(DEV).type}
 
 
+@pytest.mark.inductor
 def test_cpu_and_cuda_in_one_graph():
     torch.manual_seed(0)
     a = torch.randn(8, 8, requires_grad=True)  # on the CPU
@@ -92,6 +96,7 @@ def test_cpu_and_cuda_in_one_graph():
     parity(loss, [a, b], lambda s: (torch.randn(8, 8) + s,), backend="inductor", **TOL)
 
 
+@pytest.mark.inductor
 def test_forward_on_a_side_stream_runs_in_eager():
     """NOTE [Streams] (native helper): a graph whose forward ran on another stream than the
     backward's current one runs in eager, as eager syncs the streams; forward and backward both
@@ -128,6 +133,7 @@ def test_forward_on_a_side_stream_runs_in_eager():
     torch.cuda.synchronize()
 
 
+@pytest.mark.inductor
 def test_peak_memory_within_eager_plus_ten_percent():
     torch.manual_seed(0)
     net = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(1024, 1024), nn.GELU())]).to(DEV)

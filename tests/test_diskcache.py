@@ -12,21 +12,14 @@ import torch.nn as nn
 
 import compiled_autograd as ca
 from compiled_autograd.cache import disk as diskcache
-from helpers import assert_grads_equal, grads_of
+from helpers import assert_grads_equal, parity
 
 
 def _run(model, x, **options):
-    params = list(model.parameters())
-    for p in params:
-        p.grad = None
-    model(x).pow(2).mean().backward()
-    want = grads_of(params)
-    for p in params:
-        p.grad = None
-    loss = model(x).pow(2).mean()
-    with ca.enable("aot_eager", disk_cache=True, **options):
-        loss.backward()
-    assert_grads_equal(grads_of(params), want)
+    """One eager and one compiled backward of the model, the disk cache on (helpers.parity);
+    the counters are the test's."""
+    parity(lambda: model(x).pow(2).mean(), model.parameters(), lambda step: (), "aot_eager", steps=1, captures=None,
+           disk_cache=True, **options)
 
 
 def test_graph_is_loaded_instead_of_traced(tmp_path, monkeypatch):
@@ -74,6 +67,7 @@ def test_custom_function_graphs_are_not_stored(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("*.graph"))
 
 
+@pytest.mark.slow
 def test_second_process_skips_the_trace(tmp_path):
     script = textwrap.dedent(
         """
@@ -91,6 +85,8 @@ def test_second_process_skips_the_trace(tmp_path):
     assert out == [["1", "0"], ["0", "1"]]
 
 
+@pytest.mark.slow
+@pytest.mark.inductor
 def test_second_process_gets_inductors_code_from_its_cache(tmp_path):
     # NOTE [Inductor's FX graph cache for our graphs]: the second process loads the graph
     # (no trace) and inductor's generated code (an FX graph cache hit: no lowering, no

@@ -9,29 +9,18 @@ import torch
 import torch.nn as nn
 
 import compiled_autograd as ca
-from helpers import assert_grads_equal, grads_of, tolerance
+from helpers import INDUCTOR, assert_grads_equal, parity
 
 
-def stream(model, shapes, backend="eager", make=None, **options):
-    """Eager vs compiled backward for each input shape; all grads must match."""
-    params = list(model.parameters())
-    make = make or (lambda shape: torch.randn(*shape))
-    for i, shape in enumerate(shapes):
+def stream(model, shapes, backend="eager", **options):
+    """helpers.parity over a stream of input shapes, one step each: every grad equals eager's,
+    no fallback; the other counters (returned) are the test's to check."""
+    def inputs(i):
         torch.manual_seed(i)
-        x = make(shape)
-        for p in params:
-            p.grad = None
-        model(x).float().pow(2).mean().backward()
-        want = grads_of(params)
-        for p in params:
-            p.grad = None
-        loss = model(x).float().pow(2).mean()
-        with ca.enable(backend, fullgraph=True, **options):
-            loss.backward()
-        assert_grads_equal(grads_of(params), want, **tolerance(backend), what=f"shape {shape}")
-    s = ca.stats()
-    assert s.eager_fallbacks == 0
-    return s
+        return (torch.randn(*shapes[i]),)
+
+    parity(lambda x: model(x).float().pow(2).mean(), model.parameters(), inputs, backend, steps=len(shapes), captures=None, **options)
+    return ca.stats()
 
 
 def mlp():
@@ -58,6 +47,7 @@ def test_mlp_many_batch_sizes_two_captures(backend):
     assert s.hits == len(shapes) - 2
 
 
+@pytest.mark.slow
 def test_transformer_batch_and_sequence_two_captures():
     rng = random.Random(1)
     shapes = [(rng.randint(3, 64), rng.randint(5, 128), 16) for _ in range(8)]
@@ -120,6 +110,7 @@ def test_view_sizes_saved_by_nodes_follow_the_batch():
     assert (s.captures, s.dynamic_captures) == (2, 1)
 
 
+@pytest.mark.inductor
 def test_dynamic_with_inductor():
     shapes = [(b, 16) for b in (6, 11, 40, 3)]
     s = stream(mlp(), shapes, "inductor")
@@ -227,6 +218,7 @@ class Checkpointed(nn.Module):
         return x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_checkpointed_blocks_many_batch_sizes_two_captures(backend):
     # the shapes of the tensors unpacked in the graph become symbols like any other size
@@ -287,7 +279,7 @@ class _ScaledByTensor(nn.Module):
         return (self.lin(x).double() * self.s).float() * self.n
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
 def test_lifted_scalar_tensors_keep_a_graph_dynamic(backend):
     # NOTE [No item symbols for lifted scalars] (capture/fakes.py): they got `.item()` symbols, which
     # AOTAutograd's float-tensorify pass answered by asking for a restart: every dynamic

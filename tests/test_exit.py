@@ -36,6 +36,8 @@ def _run(tmp_path, body: str, wait: str, runs: int = 1):
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.inductor
 def test_exit_waits_for_an_inductor_background_compile(tmp_path):
     # a small graph compiled by inductor in the background; the script ends at once
     body = (
@@ -67,6 +69,7 @@ BUSY = (
 )
 
 
+@pytest.mark.slow
 def test_exit_cancels_a_compile_that_outlasts_the_wait(tmp_path):
     # a compile running C++ code (without the GIL) when the interpreter ends: before, a daemon
     # thread abandoned there aborted the process at its next GIL acquisition
@@ -75,6 +78,7 @@ def test_exit_cancels_a_compile_that_outlasts_the_wait(tmp_path):
     assert "background compile failed" not in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wait", ["0"])
 def test_exit_wait_setting(tmp_path, wait):
     # 0: cancel at once

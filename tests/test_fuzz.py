@@ -9,7 +9,9 @@ Every leaf's grad (values and strides) and every retained grad is compared with 
 where eager raises, the same error. CI runs 40 programs on eager, 10 on aot_eager and 3 on
 inductor, and 12 in three threads at once; `FUZZ_PROGRAMS=N` (from seed `FUZZ_FIRST`, default 0) runs more,
 `FUZZ_BACKEND=aot_eager|inductor` with another backend, `FUZZ_BACKGROUND=1` with background
-compiles (the traced graph replayed until the compiled one takes over).
+compiles (the traced graph replayed until the compiled one takes over). The fast subset
+(`-m "not slow and not inductor"`) runs the first 3 programs on eager and the first on
+aot_eager, a smoke test (the rest are marked slow: ~2-15 s each on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 import compiled_autograd as ca
 from fuzz_programs import build
-from helpers import EXACT_BACKENDS, assert_grads_equal
+from helpers import EXACT_BACKENDS, INDUCTOR, assert_grads_equal, compare, parity, run_in_threads
 
 N = int(os.environ.get("FUZZ_PROGRAMS", "40"))
 FIRST = int(os.environ.get("FUZZ_FIRST", "0"))  # the first seed
@@ -74,53 +76,54 @@ def _run(mode, leaves, loss_fn, retained):
 
 
 def _outcome(mode, leaves, loss_fn, retained):
+    """Eager's error (e.g. a once_differentiable node under create_graph), by its type and
+    first line, or the grads."""
     try:
-        return _run(mode, leaves, loss_fn, retained), None
-    except RuntimeError as e:  # eager's error (e.g. a once_differentiable node under create_graph)
-        return None, e
+        return None, _run(mode, leaves, loss_fn, retained)
+    except RuntimeError as e:
+        return (type(e), str(e).splitlines()[0]), None
 
 
 def _dtype(seed: int):
     return torch.float64 if seed % 13 == 7 else torch.float32
 
 
+def _tolerance(want, backend, autocast):
+    # where not bitwise: a compiler may round bfloat16 intermediates differently under autocast
+    # -- inductor keeps fused ones in float32 -- and inductor reorders float32 sums: their
+    # error scales with the largest value summed, not with each result
+    scale = max(1.0, want.abs().max().item())
+    if autocast:
+        return dict(rtol=3e-2, atol=1e-2 * scale, equal_nan=True)
+    if backend == "inductor":
+        return dict(rtol=1e-4, atol=1e-5 * scale, equal_nan=True)
+    return dict(rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
 def run_program(seed: int, backend: str, mode: str = "backward") -> bool:
-    """Whether every step ran without an error (eager's and ours)."""
-    clean = True
-    for step, (batch, values) in enumerate([(5, 1), (5, 2), (7, 3), (9, 4)]):
-        leaves, loss_fn, retained, init_grads = build(seed, batch, values, dtype=_dtype(seed))
+    """Whether every step ran without an error (eager's and ours). Each step's error or grads
+    (values and strides: bitwise on the exact backends) compared by helpers.compare."""
+    programs = []
+
+    def run(step, scope):
+        if len(programs) == step:
+            batch, values = [(5, 1), (5, 2), (7, 3), (9, 4)][step]
+            programs.append(build(seed, batch, values, dtype=_dtype(seed)))
+        leaves, loss_fn, retained, init_grads = programs[step]
         init_grads()
-        want, want_err = _outcome(mode, leaves, loss_fn, retained)
-        init_grads()
-        with ca.enable(backend, fullgraph=mode != "create_graph" and not BACKGROUND, background=BACKGROUND):
-            got, got_err = _outcome(mode, leaves, loss_fn, retained)
-        where = f"seed {seed} {mode} step {step}"
-        if want_err is not None or got_err is not None:
-            assert type(got_err) is type(want_err), f"{where}: {got_err!r} vs eager's {want_err!r}"
-            assert str(got_err).splitlines()[0] == str(want_err).splitlines()[0], f"{where}: {got_err} vs eager's {want_err}"
-            clean = False
-            continue
-        assert len(got) == len(want)
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert (g is None) == (w is None), f"{where} grad {i}: {g is None} vs {w is None}"
-            if w is not None and backend in EXACT_BACKENDS:
-                # eager's kernels in eager's order: bitwise eager's (NaN where eager has NaN)
-                assert_grads_equal([g], [w], what=f"{where} grad {i}", exact=True)
-                assert g.stride() == w.stride(), f"{where} grad {i}: strides {g.stride()} vs {w.stride()}"
-            elif w is not None:
-                # (a compiler may round bfloat16 intermediates differently under autocast -- inductor
-                # keeps fused ones in float32 -- and inductor reorders float32 sums: their error
-                # scales with the largest value summed, not with each result)
-                scale = max(1.0, w.abs().max().item())
-                if loss_fn.autocast or mode == "backward_autocast":
-                    tol = dict(rtol=3e-2, atol=1e-2 * scale)
-                elif backend == "inductor":
-                    tol = dict(rtol=1e-4, atol=1e-5 * scale)
-                else:
-                    tol = dict(rtol=1e-4, atol=1e-5)
-                torch.testing.assert_close(g, w, **tol, equal_nan=True, msg=lambda m: f"{where} grad {i}: {m}")
-                assert g.stride() == w.stride(), f"{where} grad {i}: strides {g.stride()} vs {w.stride()}"
-    return clean
+        with scope:
+            return _outcome(mode, leaves, loss_fn, retained)
+
+    def tol(want):
+        autocast = programs[-1][1].autocast or mode == "backward_autocast"  # (this step's program)
+        return _tolerance(want, backend, autocast)
+
+    exact = backend in EXACT_BACKENDS
+    results = compare(
+        run, backend, 4, what=f"seed {seed} {mode} step", strides=True, exact=exact, tol=None if exact else tol,
+        eager_fallbacks=None, fullgraph=mode != "create_graph" and not BACKGROUND, background=BACKGROUND,
+    )
+    return all(want[0] is None for want, _ in results)
 
 
 def _check_counters(mode):
@@ -131,34 +134,39 @@ def _check_counters(mode):
         assert s.eager_fallbacks == 0, s.fallback_reasons
 
 
-@pytest.mark.parametrize("seed", range(FIRST, FIRST + N))
+def _seeds(seeds, fast):
+    """The first `fast` programs in the fast subset, the rest marked slow (a program takes ~3 s
+    on eager on 2 CPU cores, up to ~15 s compiled)."""
+    return [s if i < fast else pytest.param(s, marks=pytest.mark.slow) for i, s in enumerate(seeds)]
+
+
+@pytest.mark.parametrize("seed", _seeds(range(FIRST, FIRST + N), fast=3))
 def test_random_program_matches_eager(seed):
     mode = MODES[seed % len(MODES)]
     if run_program(seed, BACKEND, mode):  # (a backward that raised, as eager's did, counts nothing)
         _check_counters(mode)
 
 
-@pytest.mark.parametrize("seed", range(max(N // 4, 1)))
+@pytest.mark.parametrize("seed", _seeds(range(max(N // 4, 1)), fast=1))
 def test_random_program_compiled_by_aot_autograd_matches_eager(seed):
     mode = MODES[seed % len(MODES)]
     if run_program(seed, "aot_eager", mode):
         _check_counters(mode)
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.inductor
+@pytest.mark.parametrize("seed", _seeds(range(3), fast=1))
 def test_random_program_compiled_by_inductor_matches_eager(seed):
     mode = MODES[seed % len(MODES)]
     if run_program(seed, "inductor", mode):
         _check_counters(mode)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
 def test_a_boolean_mask_index_in_a_grad_formula_compiles(backend):
     # found by the fuzzer (aot_eager, seed 60): `y[mask] = v` with a v that requires grad makes
     # the backward read `grad[mask]`, whose shape depends on the mask's values; AOTAutograd's
     # fake mode for aot_eager had no ShapeEnv to give it an unbacked size and raised
-    from helpers import parity
-
     w = torch.randn(4, 5, requires_grad=True)
 
     def loss(x):
@@ -170,12 +178,11 @@ def test_a_boolean_mask_index_in_a_grad_formula_compiles(backend):
            background=False)
 
 
+@pytest.mark.inductor
 def test_a_mutated_buffer_read_after_a_loop_recompute_under_inductor():
     # found by the fuzzer (inductor, seed 20): topk's backward scatters into a copy of zeros,
     # and the add that reads the result was ordered before the scatter once the C++ backend
     # had recomputed its loops (NOTE [Mutation renames after a loop recompute], compile/torch_patches.py)
-    from helpers import parity
-
     g = torch.Generator().manual_seed(0)
     W = torch.randn(6, 6, generator=g, requires_grad=True)
     c = torch.randn(6, generator=g, requires_grad=True)
@@ -191,6 +198,7 @@ def test_a_mutated_buffer_read_after_a_loop_recompute_under_inductor():
            backend="inductor", background=False, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_graphs_get_no_tensor_without_data():
     # found by the fuzzer (inductor, seed 150, create_graph): the backward through a create_graph
     # result lifted a meta tensor and a ZeroTensor (no data: sgn's backward makes one, and the
@@ -214,6 +222,7 @@ def test_graphs_get_no_tensor_without_data():
     assert not bad, bad
 
 
+@pytest.mark.slow
 def test_random_programs_in_threads_match_eager():
     # three threads, each backward under its own enable() while the others run theirs: the
     # cache, the stats and the capture state are shared. The forwards take turns: dropout's
@@ -222,8 +231,6 @@ def test_random_programs_in_threads_match_eager():
     # fork_rng; programs 2 and 5) and AOTAutograd's compile (it saves and restores the
     # generator's state around a compile: torch's, under torch.compile in any thread too), so
     # the eager backend
-    from helpers import run_in_threads
-
     backend = "eager"
 
     forward = threading.Lock()

@@ -58,30 +58,51 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["ot", "to", "otot"])
 def test_both_compiled_autograds_in_one_process(order):
     r = subprocess.run([sys.executable, "-c", SCRIPT, order], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
 
-def test_fx_traces_in_two_threads_do_not_corrupt_each_other():
+class _WatchedLock:
+    """A lock of compiled_autograd's that sets `asked` when `thread` asks for it: a test then
+    knows that thread has reached it (waiting, or holding it)."""
+
+    def __init__(self, lock, thread_name):
+        self.lock, self.thread_name, self.asked = lock, thread_name, threading.Event()
+
+    def __enter__(self):
+        if threading.current_thread().name == self.thread_name:
+            self.asked.set()
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc):
+        return self.lock.__exit__(*exc)
+
+
+def test_fx_traces_in_two_threads_do_not_corrupt_each_other(monkeypatch):
     """NOTE [One fx trace at a time]: trace A starts, trace B starts in another thread, A ends
     first. Without the lock, A's exit takes B's patcher from torch.fx's process global and B
     fails with "CURRENT_PATCHER is None in finally block" (a capture racing a background
-    compile did, in a conformance run), and the "fx trace running" flag stays set."""
-    import threading
-
+    compile did, in a conformance run), and the "fx trace running" flag stays set. Events
+    order it: B's trace begins (it asks for the lock, or, without one, enters its function)
+    while A is inside its own, and only then does A end."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    import compiled_autograd  # noqa: F401  (installs the lock)
+    from compiled_autograd.compile import torch_patches  # (installs the lock)
 
+    lock = _WatchedLock(torch_patches._trace_lock, "b")
+    monkeypatch.setattr(torch_patches, "_trace_lock", lock)
     go = {"a": threading.Event(), "b": threading.Event()}
+    inside_a = threading.Event()
     errors = []
     original_call = torch.nn.Module.__call__
 
     def traced(name):
         def fn(x):
-            go[name].wait(5)
+            (inside_a if name == "a" else lock.asked).set()
+            go[name].wait(10)
             return x.sin()
 
         def run():
@@ -90,13 +111,13 @@ def test_fx_traces_in_two_threads_do_not_corrupt_each_other():
             except Exception as e:  # pragma: no cover - the failure this test is about
                 errors.append(e)
 
-        return threading.Thread(target=run)
+        return threading.Thread(target=run, name=name)
 
     a, b = traced("a"), traced("b")
     a.start()
-    time.sleep(0.2)
+    assert inside_a.wait(10)  # A's trace is running
     b.start()
-    time.sleep(0.2)
+    assert lock.asked.wait(10)  # B's has begun
     go["a"].set()
     a.join(10)
     go["b"].set()
@@ -155,22 +176,29 @@ def test_an_fx_trace_in_another_thread_leaves_this_threads_modules_alone():
     assert [n.target for n in seen["graph"].graph.nodes if n.op == "call_function"] == [torch.ops.aten.sin.default]
 
 
-def test_the_users_torch_compile_waits_for_a_background_compile():
+def test_the_users_torch_compile_waits_for_a_background_compile(monkeypatch):
     """NOTE [One compile at a time]: torch's compilers keep fx's node-meta state in process
     globals, which inductor's compile sets and restores (`preserve_node_meta`) for its whole
     length. With one of our compiles running in the background, most of the user's
     torch.compile'd training functions compiled meanwhile failed ("Expected current_level >
     0": the joint graph's backward found the meta the other thread had restored). The backend
-    here does what inductor's compile does to that state, often; the user's compiles wait."""
+    here does what inductor's compile does to that state, over and over, until the user's
+    first compile has begun (it asks for the compile lock; without the lock it would run
+    meanwhile, for up to 10 s); the user's compiles wait."""
     import compiled_autograd as ca
+    from compiled_autograd.compile import torch_patches
 
+    lock = _WatchedLock(torch_patches.compile_lock, threading.current_thread().name)  # (the user's thread)
+    monkeypatch.setattr(torch_patches, "compile_lock", lock)
     started = threading.Event()
 
     def busy_backend(gm, example_inputs):
         started.set()
-        for _ in range(300):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
             with torch.fx.traceback.preserve_node_meta():
-                time.sleep(0.001)
+                if lock.asked.wait(0.001):
+                    break
         return gm
 
     w = torch.randn(8, 8, requires_grad=True)
@@ -186,7 +214,7 @@ def test_the_users_torch_compile_waits_for_a_background_compile():
         if step == 0:
             assert started.wait(10)
             errors = []
-            for i in range(4):  # new frames, compiled while ours runs
+            for i in range(4):  # new frames: the first asked to compile while ours ran
                 torch._dynamo.reset()
                 f = torch.compile(lambda x, w: (x @ w).sin().exp().sum() * (i + 1), backend="aot_eager")
                 try:
@@ -196,5 +224,6 @@ def test_the_users_torch_compile_waits_for_a_background_compile():
                 except Exception as e:  # noqa: BLE001 - the failure this test is about
                     errors.append(f"{type(e).__name__}: {str(e).splitlines()[:2]}")
             assert not errors, errors
+            assert lock.asked.is_set()
     s = ca.stats()
     assert (s.captures, s.hits, s.compile_failures) == (1, 1, 0), s

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import compiled_autograd as ca
-from helpers import EXACT_BACKENDS, assert_grads_equal, grads_of, tolerance
+from helpers import INDUCTOR, assert_grads_equal, compare, grads_of, tolerance
 
 
 def _model():
@@ -18,7 +18,7 @@ def _model():
     return nn.Sequential(*layers)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
 def test_saved_tensors_are_freed_inside_the_graph(backend):
     # On a hit, the compiled graph holds the only references to the saved
     # activations and drops each at its last use: by the time the graph
@@ -64,6 +64,7 @@ def test_saved_tensors_are_freed_inside_the_graph(backend):
     assert seen["alive"] <= 2, seen
 
 
+@pytest.mark.slow
 def test_retain_graph_keeps_saved_tensors_for_the_next_backward():
     # with retain_graph the saved tensors are not handed over to the graph:
     # a second backward through the same autograd graph (a hit) still works
@@ -103,28 +104,25 @@ def _checkpointed_transformer():
     return nn.ModuleList(nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True) for _ in range(4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "backend, model, shape",
     [
         ("eager", _checkpointed_blocks, (2048, 256)),
         ("aot_eager", _checkpointed_blocks, (2048, 256)),
-        ("inductor", _checkpointed_blocks, (2048, 256)),
+        pytest.param("inductor", _checkpointed_blocks, (2048, 256), marks=pytest.mark.inductor),
         # inductor left weight grads (graph results nothing consumes) for later, keeping their
         # inputs alive while the next layer was recomputed: 1.16x eager's peak here, before
         # the unpack calls took them as inputs
-        ("inductor", _checkpointed_transformer, (16, 128, 256)),
+        pytest.param("inductor", _checkpointed_transformer, (16, 128, 256), marks=pytest.mark.inductor),
     ],
 )
 def test_checkpointing_saves_memory_as_in_eager(backend, model, shape):
     # NOTE [Unpacking in the graph]: a checkpointed region is recomputed when the backward
     # reaches it, and its activations are freed as its nodes finish. Unpacking every hooked
     # tensor up front held all regions' activations at once: 3.7x eager's peak on this model.
-    import sys
-    from pathlib import Path
-
     import torch.utils.checkpoint as checkpoint
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.worker import tensor_peak_mb
 
     blocks = model()
@@ -161,6 +159,7 @@ def test_checkpointing_saves_memory_as_in_eager(backend, model, shape):
     assert peaks[True] <= 1.1 * peaks[False], peaks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module_hooks,accumulate", [(False, False), (True, False), (False, True)])
 def test_hooks_on_leaves_do_not_keep_the_activations_alive(module_hooks, accumulate):
     # DDP-like: a post-accumulate hook on every parameter, and a tensor hook on one, put
@@ -170,10 +169,6 @@ def test_hooks_on_leaves_do_not_keep_the_activations_alive(module_hooks, accumul
     # Nor do modules' full backward hooks (their Function saves nothing).
     # And each weight's grad is the graph's own buffer, not a copy (NOTE [Stealing a fresh grad]);
     # with `.grad` already set (gradient accumulation), each new grad is freed once added.
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.worker import tensor_peak_mb
 
     model = _model()
@@ -214,10 +209,6 @@ def test_hooks_on_leaves_do_not_keep_the_activations_alive(module_hooks, accumul
 
 
 def _tensor_peak_mb(fn) -> float:
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.worker import tensor_peak_mb
 
     return tensor_peak_mb(fn)
@@ -231,42 +222,34 @@ def _mlp512(activation):
 def _training_step_peaks(model, loss_of, backend, seen=None, learning=0) -> dict:
     """Eager and compiled training steps on three inputs (a capture, then two hits; after
     `learning` backwards that learn what saved-tensor hooks return, in eager), their grads
-    (and `seen`: what hooks observed) compared with eager's; the tensor peaks of the last
-    compiled step and of its eager twin."""
+    (and `seen`: what hooks observed) compared with eager's by helpers.compare; the tensor
+    peaks of the last compiled step and of its eager twin."""
     params = list(model.parameters())
-    peaks = {}
-    for i in range(3 + learning):
-        x = torch.randn(256, 512)
-        for compiled in (False, True):
-            for p in params:
-                p.grad = None
-            if seen is not None:
-                seen.clear()
+    peaks, inputs = {}, {}
 
-            def step():
-                loss = loss_of(x)
-                if compiled:
-                    with ca.enable(backend, background=False, fullgraph=True):
-                        loss.backward()
-                else:
-                    loss.backward()
+    def run(step, scope):
+        if step not in inputs:
+            inputs[step] = torch.randn(256, 512)
+        for p in params:
+            p.grad = None
+        if seen is not None:
+            seen.clear()
 
-            peaks[compiled] = _tensor_peak_mb(step)
-            grads = grads_of(params)
-            if compiled:
-                assert_grads_equal(grads, want, **tolerance(backend), what=f"step {i}")
-                if seen is not None and backend in EXACT_BACKENDS:
-                    assert seen == want_seen, (seen, want_seen)
-                elif seen is not None:
-                    torch.testing.assert_close(seen, want_seen)
-            want, want_seen = grads, list(seen or ())
-    s = ca.stats()
-    assert (s.captures, s.hits, s.eager_fallbacks, s.learning_backwards) == (1, 2, 0, learning), s
+        def train_step():
+            loss = loss_of(inputs[step])
+            with scope:
+                loss.backward()
+
+        peaks[isinstance(scope, ca.enable)] = _tensor_peak_mb(train_step)
+        return grads_of(params), torch.tensor(seen or [], dtype=torch.float64)
+
+    compare(run, backend, 3 + learning, captures=1, hits=2, learning_backwards=learning, background=False)
     return peaks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hooks", ["tensor", "module"])
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
 def test_hooks_on_activations_do_not_keep_them_alive(hooks, backend):
     # A logging tensor hook on every activation, or a full backward hook on every module.
     # A tensor hook may read its node's saved tensors, so a hit used to keep every saved
@@ -293,7 +276,8 @@ def test_hooks_on_activations_do_not_keep_them_alive(hooks, backend):
     assert peaks[True] <= 1.1 * peaks[False], peaks
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
 def test_a_compressing_saved_tensor_hook_keeps_its_memory_saving(backend):
     # pack: float16 copies; unpack: back to float32. Eager unpacks each when its node runs,
     # so only one float32 copy is alive at a time. A hit unpacks each in the graph too, with

@@ -58,12 +58,13 @@ def _check(name, backend, steps=2):
     parity(loss_fn, list(model.parameters()), make_inputs, backend=backend, steps=steps)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "transformer" else n for n in MODELS])
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_model_parity(name, backend):
     _check(name, backend)
 
 
+@pytest.mark.inductor
 @pytest.mark.parametrize("name", ["mlp", "transformer"])
 def test_model_parity_inductor(name):
     _check(name, "inductor")

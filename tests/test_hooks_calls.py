@@ -1,0 +1,153 @@
+"""Hook and node calls on a hit run in the native helper, without Python's _run_call, and
+check what it checks (NOTE [Calls in the helper]); its replay frames are per thread.
+"""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+
+import compiled_autograd as ca
+from compiled_autograd.replay import calls as replay_calls
+from helpers import EXACT_BACKENDS, INDUCTOR, assert_grads_equal, leaf, observe, run_in_threads, slot_kinds
+
+
+@contextlib.contextmanager
+def _python_calls():
+    """The slots of the calls from compiled code that reach Python's _run_call (NOTE [Calls
+    in the helper]: only unpack calls and calls off the fast path should)."""
+    native = replay_calls._native()
+    calls = []
+
+    def counting(*args):
+        calls.append(args[0])
+        return replay_calls._run_call(*args)
+
+    replay_calls._install_calls(native, counting)
+    try:
+        yield calls
+    finally:
+        replay_calls._install_calls(native)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
+def test_leaf_calls_run_in_the_helper_and_check_what_python_checks(backend):
+    # NOTE [Calls in the helper]: on a hit, a hooked leaf's call and a leaf's
+    # AccumulateGrad call (in the graph for its post-accumulate hook) do not go through
+    # Python's _run_call, and still check what it checks: a leaf's hook that changes a saved
+    # tensor of a node not yet run gets eager's version-counter error
+    def run(compiled, step):
+        torch.manual_seed(0)
+        W, b, x2 = leaf(4, 4), leaf(4), leaf(4)
+        torch.manual_seed(step)
+        x, a = torch.randn(3, 4), torch.randn(4)
+        late = (x2 * a).sin().sum()  # made first: its MulBackward0 runs after W's accumulation
+        early = torch.tanh(x @ W + b).pow(2).sum()
+        seen = []
+
+        def hook(g):
+            seen.append(g.sum().item())
+            if step == 2:
+                with torch.no_grad():
+                    a.add_(1.0)
+            return g * 0.5
+
+        W.register_hook(hook)
+        b.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.sum().item()))
+        if compiled:
+            with ca.enable(backend, fullgraph=True, background=False):
+                (early + late).backward()
+        else:
+            (early + late).backward()
+        return [W.grad, b.grad, x2.grad], seen
+
+    with _python_calls() as python_calls:
+        for step in range(2):
+            (got, got_seen), (want, want_seen) = run(True, step), run(False, step)
+            assert_grads_equal(got, want, what=f"step {step}", exact=backend in EXACT_BACKENDS)
+            if backend in EXACT_BACKENDS:
+                assert got_seen == want_seen, (got_seen, want_seen)
+            else:
+                assert got_seen == pytest.approx(want_seen, rel=1e-5, abs=1e-6)
+    assert python_calls == [], python_calls  # the capture traced them; the hit ran them natively
+    for compiled in (False, True):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            run(compiled, 2)
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 2, 0), s
+    assert sorted(slot_kinds()) == [replay_calls.ACCUMULATE] * 2 + [replay_calls.HOOKED_ACCUMULATE]  # b, x2; W
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
+def test_hook_and_node_calls_run_in_the_helper(backend):
+    # NOTE [Calls in the helper]: tensor hooks on activations (one keeps what it returns),
+    # a module's full backward hook (its pre- and post-hook calls) and an opaque node run
+    # without Python's _run_call, and every hook observes what it observes in eager
+    kept = []
+
+    def build(log, step):
+        torch.manual_seed(0)
+        lin = nn.Linear(4, 4)
+        lin.register_full_backward_hook(lambda m, gi, go: log.append(("module", gi[0].clone(), go[0].clone())))
+        torch.manual_seed(step)
+        x = leaf(3, 4)
+        h = lin(x).tanh()
+        h.register_hook(lambda g: log.append(("h", g.clone())))
+        k = h * 2.0  # MulBackward0: opaque
+
+        def keep(g):
+            kept.append(g * 3)
+            return kept[-1]
+
+        k.register_hook(keep)
+        return k.pow(2).sum(), [x, *lin.parameters()]
+
+    with _python_calls() as python_calls:
+        # the first backward learns the opaque node's output layouts in eager (NOTE [Layouts
+        # of call outputs]); then a capture and a hit
+        observe(build, backend=backend, background=False, opaque=("MulBackward0",), n_opaque=1, steps=3, learning=1)
+    assert python_calls == [], python_calls
+    assert {replay_calls.TENSOR_PRE_HOOKS, replay_calls.NODE} <= set(slot_kinds()), slot_kinds()
+    # what `keep` returned and kept: the compiled graph read it and wrote nothing into it
+    assert_grads_equal([kept[-1]], [kept[-2]], exact=backend in EXACT_BACKENDS)
+
+
+def test_hooked_backwards_in_two_threads_each_use_their_own_replay():
+    # NOTE [Calls in the helper]: the helper's replay frames are per thread, as ops._replay is:
+    # two threads running compiled backwards with hook calls at once each get their own results
+    def make(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        for p in model.parameters():
+            p.register_hook(lambda g: g * 2.0)
+        model[0].register_full_backward_hook(lambda m, gi, go: None)
+        return model
+
+    def grads(model, x, compiled):
+        model.zero_grad(set_to_none=True)
+        h = model(x)
+        h.register_hook(lambda g: g + 1.0)
+        if compiled:
+            with ca.enable("aot_eager", fullgraph=True, background=False):
+                h.pow(2).sum().backward()
+        else:
+            h.pow(2).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    errors = []
+
+    def worker(seed):
+        try:
+            model = make(seed)
+            for step in range(20):
+                torch.manual_seed(seed * 100 + step)
+                x = torch.randn(4, 8)
+                assert_grads_equal(grads(model, x, True), grads(model, x, False), what=f"thread {seed} step {step}", exact=True)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    run_in_threads(worker, [(1,), (2,)])
+    assert not errors, errors
+    s = ca.stats()
+    assert s.eager_fallbacks == 0 and s.captures <= 2 and s.hits >= 36, s  # (both may capture at once)
