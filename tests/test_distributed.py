@@ -140,6 +140,7 @@ JOBS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, pytest.param(4, id="4-ranks")])
 @pytest.mark.parametrize("name", list(JOBS))
 def test_distributed_job_matches_eager(name, world):
