@@ -17,6 +17,7 @@ from torch.fx.experimental.symbolic_shapes import (
 )
 
 from ..walk.collect import Collected
+from ..compile.boxed import fakeable  # (NOTE [Views that change the dtype])
 
 
 class _SizeEnv(ShapeEnv):
@@ -108,21 +109,6 @@ def _in_graph_sources(collected: Collected) -> list:
 # found by tests/test_fuzz.py). So 0-dim lifted tensors are fakeified without a
 # source: no symbol, and a formula that reads the value raises, which makes its
 # node opaque.
-def fakeable(t: torch.Tensor) -> torch.Tensor:
-    """NOTE [Views that change the dtype]
-    torch 2.13 fakeifies a view by replaying it on its base's fake, and fails for
-    a view of another dtype (`view_as_complex(x.view(-1, 2))` saved by `.abs()`:
-    "Tensor must have a last dimension of size 2"). Such a lifted tensor is
-    fakeified as what it is to the graph: a tensor of its geometry on the same
-    storage (so the fakes still share a storage), not a view. The graph reads it;
-    what a write into it would do to the base is not traced, but nothing in a
-    backward graph writes into a lifted tensor."""
-    if t._is_view() and t._base.dtype != t.dtype:
-        alias = t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
-        return alias.requires_grad_(t.requires_grad) if t.requires_grad else alias
-    return t
-
-
 def fake_inputs(collected: Collected, mask, history=()):
     """Fake versions of the lifted tensors, and SymInts for the size inputs
     marked in `mask`; every other size, stride and offset stays static

@@ -104,12 +104,26 @@ def _static_fake_mode(example_inputs: Sequence):
     return static_fakes(example_inputs)
 
 
+def fakeable(t: torch.Tensor) -> torch.Tensor:
+    """NOTE [Views that change the dtype]
+    torch 2.13 fakeifies a view by replaying it on its base's fake, and fails for
+    a view of another dtype (`view_as_complex(x.view(-1, 2))` saved by `.abs()`:
+    "Tensor must have a last dimension of size 2"). Such a lifted tensor is
+    fakeified as what it is to the graph: a tensor of its geometry on the same
+    storage (so the fakes still share a storage), not a view. The graph reads it;
+    what a write into it would do to the base is not traced, but nothing in a
+    backward graph writes into a lifted tensor."""
+    if t._is_view() and t._base.dtype != t.dtype:
+        alias = t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+        return alias.requires_grad_(t.requires_grad) if t.requires_grad else alias
+    return t
+
+
 def static_fakes(values):
     """(mode, static fakes of `values`' tensors, the rest as is), in a mode with a ShapeEnv."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from ..capture.fakes import fakeable
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
     return mode, [mode.from_tensor(fakeable(t), static_shapes=True) if isinstance(t, torch.Tensor) else t for t in values]
