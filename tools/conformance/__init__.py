@@ -877,7 +877,7 @@ def _core_version() -> str:
         return env
     import subprocess
 
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tools/, as before the package
     try:
         commit = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, timeout=10, check=True).stdout.strip()
@@ -1212,7 +1212,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{c.status.upper()}: {c.case_id}: {c.reason}")
     print(f"wrote {jpath} and {mpath} in {report.seconds:.0f} s")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
