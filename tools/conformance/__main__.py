@@ -1,0 +1,7 @@
+"""`python -m tools.conformance`: see the package docstring."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
