@@ -15,6 +15,7 @@ from ..config import Config
 from ..observe.logs import compile_status
 from ..observe.stats import LOCK, STATS
 from . import backends
+from . import child
 from . import torch_patches
 from .torch_patches import in_background
 
@@ -90,6 +91,10 @@ def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, wh
                 _compiling.add(me)  # may be cancelled at exit from here (NOTE [Background compiles at exit])
             try:
                 with compile_status(what + " (in the background)"), in_background():
+                    if child.applies(cfg.backend, is_dynamic):  # NOTE [Compiling in a child process]
+                        in_child = child.compile_in_child(graph, example, cfg.inductor_patches)
+                        with LOCK:
+                            STATS.child_compiles += int(in_child)
                     fn = backends.compile_graph(cfg.backend, graph, example, dynamic=is_dynamic, patches=cfg.inductor_patches)
             finally:
                 with LOCK:
