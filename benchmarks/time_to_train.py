@@ -16,7 +16,10 @@ recorded with `time.perf_counter`. Modes:
   torch-ca       torch's built-in compiled autograd around the backward:
                  `torch._dynamo.compiled_autograd._enable(torch.compile(backend="inductor"))`
   ours           `compiled_autograd.enable("inductor")` around the backward (its default
-                 background compile: the steps while it compiles run in eager autograd)
+                 background compile: the steps while it compiles run in eager autograd, the
+                 compile runs in a child process at low priority)
+  ours-thread    (not by default) ours with COMPILED_AUTOGRAD_COMPILE_PROCESS=0: the compile in a
+                 thread of the training process
 
 Eager runs first; the number of steps is the larger of --steps and the number eager needs to reach
 --target-seconds (N15), so that every mode's total of the first N15 steps is measured too.
@@ -77,7 +80,7 @@ def _worker(args) -> int:
 
         compiler = torch.compile(backend="inductor")
         ctx = lambda: tca._enable(compiler)  # noqa: E731
-    elif args.mode == "ours":
+    elif args.mode in ("ours", "ours-thread"):
         import compiled_autograd as ca
 
         res["compiled_autograd_file"] = ca.__file__
@@ -123,7 +126,7 @@ def _worker(args) -> int:
         s = ca.stats()
         res["stats"] = {k: getattr(s, k) for k in ("captures", "hits", "eager_fallbacks", "eager_while_compiling",
                                                      "compile_seconds", "trace_seconds", "compiles_pending",
-                                                     "compile_failures")}
+                                                     "compile_failures", "child_compiles")}
         res["stats"]["fallback_reasons"] = {str(k): v for k, v in s.fallback_reasons.items()}
     save()
     if ca is not None:
@@ -154,11 +157,13 @@ def _run_one(args, workload: str, mode: str, steps: int, out_dir: Path, until: f
         cmd += ["--deadline", str(args.deadline)]
     if until:
         cmd += ["--until-seconds", str(until)]
+    env = _env(cache, args.threads)
+    if mode == "ours-thread":  # the compile in a thread of this process only (no child process)
+        env["COMPILED_AUTOGRAD_COMPILE_PROCESS"] = "0"
     load = os.getloadavg()
     t0 = pc()
     try:
-        p = subprocess.run(cmd, cwd=ROOT, env=_env(cache, args.threads), capture_output=True, text=True,
-                           timeout=args.timeout)
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
         rc, err = p.returncode, p.stderr
     except subprocess.TimeoutExpired as e:
         rc, err = "timeout", (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr)
@@ -269,7 +274,7 @@ def summarize(data: dict) -> list:
                 "steady_vs_eager": steady / e_tail if steady and e_tail else None,
                 "loadavg": [r.get("loadavg_before", [None])[0], r.get("loadavg_after", [None])[0]],
             }
-            if r["mode"] == "ours" and times:
+            if r["mode"].startswith("ours") and times:
                 compiling = [s["s"] for s in r["steps"][1:] if s.get("eager_while_compiling")]
                 row["steps_while_compiling"] = len(compiling)
                 row["while_compiling_s"] = _median(compiling)
@@ -338,7 +343,7 @@ def write_report(data: dict, out_dir: Path) -> None:
                 _f(r["first_step_s"], "{:.2f} s"),
                 f"{_f(r['steady_step_s'], '{:.3f} s')} ({_f(r['steady_vs_eager'], '{:.2f}x')})",
             ]
-            if r["mode"] == "ours":
+            if r["mode"].startswith("ours"):
                 cells.append(
                     f"{_f(r.get('while_compiling_s'), '{:.3f} s')} ({_f(r.get('while_compiling_max_s'), '{:.3f} s')}; "
                     f"{_f(r.get('while_compiling_vs_eager'), '{:.2f}x')}; {r.get('steps_while_compiling')} steps)"
