@@ -160,3 +160,16 @@ def test_aot_eager_steps_are_bitwise_eager():
             got = _step(net, x)
         for a, b in zip(got, ref):
             assert torch.equal(a, b)
+
+
+def test_child_that_cannot_start_leaves_the_compile_in_process(fresh_inductor_cache, monkeypatch):
+    monkeypatch.setattr(child, "_child_command", lambda path: ["/nonexistent/python", path])
+    net, x = _model(), torch.randn(4, 16)
+    with ca.enable("inductor"):
+        _step(net, x)
+    assert ca.synchronize(600)
+    s = ca.stats()
+    assert (s.child_compiles, s.compile_failures) == (0, 0), s
+    with ca.enable("inductor"):
+        _step(net, x)
+    assert ca.stats().hits == 1

@@ -46,6 +46,15 @@ log = logging.getLogger("compiled_autograd")
 # (compile 7 s); eager while compiling at equal priority 633 ms (compile 8 s), at
 # niceness 10 404 ms (1.12x eager; the compile then took 65 s, getting only what training
 # left). The compiled graph (336 ms) takes over when its compile is done.
+# Measured again with benchmarks/time_to_train.py (forward + backward + SGD, 2 threads, load
+# average ~1.5): the transformer's eager step 0.33 s, its steps while the compile ran in this
+# thread at niceness 5: 0.70-0.80 s (2.2x; the forward's ~500 small ops each wait up to the GIL's
+# 5 ms switch interval for the compile's Python), compile 44 s, 60 steps 52 s against eager's
+# 25 s. A cold inductor compile of the D=1024 MLP's graph is 4.3 s of this process's CPU (Python,
+# under the GIL) and 5.2 s of g++'s (its own processes); from inductor's warm caches, 0.3 s
+# (plus 1.4 s of inductor's imports, once). So a static graph's compile now runs first in a
+# child process (NOTE [Compiling in a child process] in compile/child.py), and this thread only
+# loads the result.
 _pending: set[threading.Thread] = set()
 
 

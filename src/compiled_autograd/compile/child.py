@@ -235,9 +235,13 @@ def _run_child(path: str) -> bool:
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([package_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        _child_command(path), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    try:
+        proc = subprocess.Popen(
+            _child_command(path), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+    except OSError as e:  # (no interpreter to start: an embedded Python)
+        log.debug("no child compile: %s", e)
+        return False
     try:
         # (a loop of short waits: a cancel at exit, raised between bytecodes, gets here)
         while True:
