@@ -15,6 +15,7 @@ from ..config import Config
 from ..observe.logs import compile_status
 from ..observe.stats import LOCK, STATS
 from . import backends
+from . import child
 from . import torch_patches
 from .torch_patches import in_background
 
@@ -45,6 +46,15 @@ log = logging.getLogger("compiled_autograd")
 # (compile 7 s); eager while compiling at equal priority 633 ms (compile 8 s), at
 # niceness 10 404 ms (1.12x eager; the compile then took 65 s, getting only what training
 # left). The compiled graph (336 ms) takes over when its compile is done.
+# Measured again with benchmarks/time_to_train.py (forward + backward + SGD, 2 threads, load
+# average ~1.5): the transformer's eager step 0.33 s, its steps while the compile ran in this
+# thread at niceness 5: 0.70-0.80 s (2.2x; the forward's ~500 small ops each wait up to the GIL's
+# 5 ms switch interval for the compile's Python), compile 44 s, 60 steps 52 s against eager's
+# 25 s. A cold inductor compile of the D=1024 MLP's graph is 4.3 s of this process's CPU (Python,
+# under the GIL) and 5.2 s of g++'s (its own processes); from inductor's warm caches, 0.3 s
+# (plus 1.4 s of inductor's imports, once). So a static graph's compile now runs first in a
+# child process (NOTE [Compiling in a child process] in compile/child.py), and this thread only
+# loads the result.
 _pending: set[threading.Thread] = set()
 
 
@@ -90,6 +100,10 @@ def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, wh
                 _compiling.add(me)  # may be cancelled at exit from here (NOTE [Background compiles at exit])
             try:
                 with compile_status(what + " (in the background)"), in_background():
+                    if child.applies(cfg.backend, is_dynamic):  # NOTE [Compiling in a child process]
+                        in_child = child.compile_in_child(graph, example, cfg.inductor_patches)
+                        with LOCK:
+                            STATS.child_compiles += int(in_child)
                     fn = backends.compile_graph(cfg.backend, graph, example, dynamic=is_dynamic, patches=cfg.inductor_patches)
             finally:
                 with LOCK:

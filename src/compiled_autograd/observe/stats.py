@@ -30,6 +30,9 @@ class Stats:
     trace_seconds / compile_seconds: time spent capturing and compiling
     compiles_pending: background compiles still running (see `synchronize()`)
     compile_failures: background compiles that failed (the traced graph stays in use)
+    child_compiles:  background compiles first done by a child process, whose result the
+                     training process loaded from inductor's caches (NOTE [Compiling in a child
+                     process] in compile/child.py)
     layout_copies:   outputs of hooks, opaque nodes and unpack hooks copied into the layout
                      the graph was traced with (NOTE [Layouts of call outputs] in replay/calls.py)
     """
@@ -50,6 +53,7 @@ class Stats:
     compile_seconds: float = 0.0
     compiles_pending: int = 0
     compile_failures: int = 0
+    child_compiles: int = 0
     layout_copies: int = 0
 
     def snapshot(self) -> "Stats":
@@ -70,6 +74,7 @@ class Stats:
             compile_seconds=self.compile_seconds,
             compiles_pending=self.compiles_pending,
             compile_failures=self.compile_failures,
+            child_compiles=self.child_compiles,
             layout_copies=self.layout_copies,
         )
 

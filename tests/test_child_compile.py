@@ -1,0 +1,175 @@
+"""Background compiles in a child process (NOTE [Compiling in a child process] in
+compile/child.py): the child fills inductor's caches and the training process loads the graph
+from them; the steps while it compiles are eager's; a child that fails leaves the in-process
+compile. No timing asserts."""
+
+import pickle
+import sys
+
+import pytest
+import torch
+
+import compiled_autograd as ca
+from compiled_autograd.compile import backends, child
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+
+
+def _step(net, x):
+    for p in net.parameters():
+        p.grad = None
+    net(x).pow(2).mean().backward()
+    return [p.grad.clone() for p in net.parameters()]
+
+
+@pytest.fixture
+def fresh_inductor_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("COMPILED_AUTOGRAD_COMPILE_PROCESS", "1")
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    return counters
+
+
+def _captured_graph():
+    """A captured graph and its example inputs, as the background compile gets them."""
+    seen = []
+    original = backends.compile_graph
+
+    def keep(backend, gm, example, *args, **kwargs):
+        seen.append((gm, example))
+        return original("eager", gm, example, *args, **kwargs)
+
+    net, x = _model(), torch.randn(4, 16)
+    try:
+        backends.compile_graph = keep
+        with ca.enable("eager"):
+            net(x).pow(2).mean().backward()
+    finally:
+        backends.compile_graph = original
+    return seen[0]
+
+
+def test_graph_travels_with_its_names_and_code():
+    gm, _ = _captured_graph()
+    back = child._decode_graph(pickle.loads(pickle.dumps(child._encode_graph(gm))))
+    # inductor's and AOTAutograd's cache keys read the module's pickled state: its code
+    # (node names included), its tracer class, its class name
+    mine, theirs = gm.__reduce__()[1][0], back.__reduce__()[1][0]
+    assert mine.keys() == theirs.keys()
+    assert {k: repr(v) for k, v in mine.items()} == {k: repr(v) for k, v in theirs.items()}
+    assert type(gm).__name__ == type(back).__name__
+
+
+def test_inputs_travel_with_their_geometry_and_aliases():
+    base = torch.randn(6, 4)
+    values = [base, base[1:].t(), torch.zeros(3, dtype=torch.int64).requires_grad_(False), 7,
+              torch.randn(2, requires_grad=True)]
+    back = child._rebuild(pickle.loads(pickle.dumps(child._describe(values))))
+    for v, b in zip(values, back):
+        if isinstance(v, torch.Tensor):
+            assert (b.shape, b.stride(), b.storage_offset(), b.dtype, b.requires_grad) == (
+                v.shape, v.stride(), v.storage_offset(), v.dtype, v.requires_grad)
+        else:
+            assert b == v
+    assert back[0].untyped_storage().data_ptr() == back[1].untyped_storage().data_ptr()
+    assert back[0].untyped_storage().data_ptr() != back[4].untyped_storage().data_ptr()
+
+
+def test_applies_only_to_static_inductor_graphs(monkeypatch):
+    monkeypatch.setenv("COMPILED_AUTOGRAD_COMPILE_PROCESS", "1")
+    assert child.applies("inductor", dynamic=False)
+    assert not child.applies("inductor", dynamic=True)
+    assert not child.applies("aot_eager", dynamic=False)
+    assert not child.applies(lambda gm, ex: gm, dynamic=False)
+    monkeypatch.setenv("COMPILED_AUTOGRAD_COMPILE_PROCESS", "0")
+    assert not child.applies("inductor", dynamic=False)
+
+
+def test_child_compiles_and_the_training_process_loads_from_the_caches(fresh_inductor_cache):
+    counters = fresh_inductor_cache
+    net, x = _model(), torch.randn(4, 16)
+    ref = _step(net, x)  # eager
+    with ca.enable("inductor"):
+        first = _step(net, x)  # traced and replayed; the compile starts
+        while_compiling = _step(net, x) if ca.stats().compiles_pending else None
+    assert ca.synchronize(600)
+    s = ca.stats()
+    assert (s.child_compiles, s.compile_failures) == (1, 0), s
+    # the child's compile filled both caches: the training process loaded it
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
+    assert counters["inductor"]["fxgraph_cache_hit"] == 1, dict(counters["inductor"])
+    assert counters["inductor"].get("fxgraph_cache_miss", 0) == 0
+    for a, b in zip(first, ref):
+        assert torch.equal(a, b)  # the traced graph runs eager's aten ops
+    if while_compiling is not None:  # (a step while the compile ran: eager autograd's)
+        assert s.eager_while_compiling >= 1
+        for a, b in zip(while_compiling, ref):
+            assert torch.equal(a, b)
+    with ca.enable("inductor"):
+        compiled = _step(net, x)
+    assert ca.stats().hits == 1
+    for a, b in zip(compiled, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_failed_child_leaves_the_compile_in_process(fresh_inductor_cache, monkeypatch):
+    counters = fresh_inductor_cache
+    monkeypatch.setattr(child, "_child_command", lambda path: [sys.executable, "-c", "import sys; sys.exit(3)"])
+    net, x = _model(), torch.randn(4, 16)
+    ref = _step(net, x)
+    with ca.enable("inductor"):
+        _step(net, x)
+    assert ca.synchronize(600)
+    s = ca.stats()
+    assert (s.child_compiles, s.compile_failures) == (0, 0), s
+    assert counters["inductor"]["fxgraph_cache_miss"] == 1  # compiled here, in full
+    with ca.enable("inductor"):
+        compiled = _step(net, x)
+    assert ca.stats().hits == 1
+    for a, b in zip(compiled, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_graph_that_cannot_travel_is_compiled_in_process(fresh_inductor_cache, monkeypatch):
+    def cannot(gm):
+        raise ValueError("a graph with attributes")
+
+    monkeypatch.setattr(child, "_encode_graph", cannot)
+    net, x = _model(), torch.randn(4, 16)
+    with ca.enable("inductor"):
+        _step(net, x)
+    assert ca.synchronize(600)
+    s = ca.stats()
+    assert (s.child_compiles, s.compile_failures) == (0, 0), s
+    with ca.enable("inductor"):
+        _step(net, x)
+    assert ca.stats().hits == 1
+
+
+def test_aot_eager_steps_are_bitwise_eager():
+    # (aot_eager compiles in the foreground, in-process: its steps are eager's, bitwise)
+    net, x = _model(), torch.randn(4, 16)
+    ref = _step(net, x)
+    for _ in range(2):
+        with ca.enable("aot_eager"):
+            got = _step(net, x)
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b)
+
+
+def test_child_that_cannot_start_leaves_the_compile_in_process(fresh_inductor_cache, monkeypatch):
+    monkeypatch.setattr(child, "_child_command", lambda path: ["/nonexistent/python", path])
+    net, x = _model(), torch.randn(4, 16)
+    with ca.enable("inductor"):
+        _step(net, x)
+    assert ca.synchronize(600)
+    s = ca.stats()
+    assert (s.child_compiles, s.compile_failures) == (0, 0), s
+    with ca.enable("inductor"):
+        _step(net, x)
+    assert ca.stats().hits == 1
