@@ -25,7 +25,7 @@ log = logging.getLogger("compiled_autograd")
 # of the time: the forward's many small ops each wait for it (up to the 5 ms switch
 # interval) and the transformer's steps while compiling took 2.2x eager's. So a background
 # compile of a static inductor graph first runs in a child process (`python -m
-# compiled_autograd.compile.child`) at niceness 19 (CHILD_NICENESS), given the graph (pickled:
+# compiled_autograd.compile.child`) at niceness 10 (CHILD_NICENESS), given the graph (pickled:
 # its code), its inputs' geometry and the config that enters inductor's cache keys; the
 # child compiles it as the training process would, which fills inductor's caches
 # (AOTAutogradCache, FxGraphCache: the generated code and the .so) in the same cache
@@ -38,7 +38,11 @@ log = logging.getLogger("compiled_autograd")
 # off. One child at a time (several graphs: one after the other). Measured (benchmarks/
 # time_to_train.py, transformer, 2 cores at load average 5-7 from other processes): the steps
 # while compiling 0.97x eager's with the child, 1.18x with the compile in a thread here.
-CHILD_NICENESS = int(os.environ.get("COMPILED_AUTOGRAD_CHILD_NICE", "19"))
+# Niceness 10, not 19: the child holds no GIL of training's, so it only competes for CPU, and
+# at 19 (a 70th of a training thread's share) a compile on a machine kept busy (a load of 7
+# on 2 cores: other jobs beside training) did not end in 10 minutes, leaving training in
+# eager for good; at 10 it gets about a tenth of a busy core.
+CHILD_NICENESS = int(os.environ.get("COMPILED_AUTOGRAD_CHILD_NICE", "10"))
 POLL_S = 0.05  # how often the waiting thread looks at the child (a cancel at exit lands between polls)
 
 _child_lock = threading.Lock()
@@ -267,7 +271,7 @@ def _run_child(path: str) -> bool:
 def _lower() -> None:
     """The child's CPU priority: below training's (niceness CHILD_NICENESS)."""
     try:
-        nice = int(os.environ.get("COMPILED_AUTOGRAD_CHILD_NICE", "19"))
+        nice = int(os.environ.get("COMPILED_AUTOGRAD_CHILD_NICE", "10"))
         os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
     except (AttributeError, OSError, ValueError):
         pass
