@@ -32,31 +32,22 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("eager", "ours", "torch-ca")
 
 
 def _model():
-    import torch.nn as nn
+    import torch
 
-    class Model(nn.Module):
-        def __init__(self, d=128, heads=4, layers=4, ff=256, classes=8):
-            super().__init__()
-            self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, batch_first=True) for _ in range(layers))
-            self.head = nn.Linear(d, classes)
-
-        def forward(self, x):
-            for b in self.blocks:
-                x = b(x)
-            return self.head(x.mean(1))
+    from examples.distributed import Model  # (the torchrun example's model, larger)
 
     torch.manual_seed(0)
-    return Model()
+    return Model(d=128, heads=4, layers=4, ff=256)
 
 
 def _wrap(model, wrap, mode):
+    import torch
+
     if wrap == "ddp":
         import torch._dynamo
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -72,6 +63,8 @@ def _wrap(model, wrap, mode):
 
 
 def _contexts(backend):
+    import torch
+
     import contextlib
 
     import compiled_autograd as ca
@@ -82,6 +75,8 @@ def _contexts(backend):
 
 
 def _rank(rank, world, port, job, out_dir):
+    import torch
+
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), COMPILED_AUTOGRAD_DISK_CACHE="0")
@@ -139,6 +134,8 @@ def _free_port() -> int:
 
 
 def run_job(job, world, timeout=1800):
+    import torch
+
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out_dir:
@@ -240,13 +237,23 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "docs" / "bench" / "distributed"))
+    p.add_argument("--append", action="store_true", help="keep the jobs of OUT/results.json this run does not redo")
+    p.add_argument("--report-only", action="store_true", help="re-render OUT/results.md and the plot from OUT/results.json")
     args = p.parse_args(argv)
+    if args.report_only:  # (needs no torch: a Python with matplotlib will do)
+        stored = json.loads((Path(args.out) / "results.json").read_text())
+        write_report(Path(args.out), stored["results"], stored["meta"])
+        return
+    import torch
+
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), platform.processor())
     meta = dict(date=datetime.date.today().isoformat(), commit=commit, torch=torch.__version__, cpus=os.cpu_count(), cpu=cpu,
                 backend=args.backend, steps=args.steps, warmup=args.warmup,
                 command="python -m benchmarks.distributed " + " ".join(argv if argv is not None else __import__("sys").argv[1:]))
     results = {}
+    if args.append and (Path(args.out) / "results.json").exists():
+        results = json.loads((Path(args.out) / "results.json").read_text())["results"]
     for world in (int(w) for w in args.worlds.split(",")):
         for wrap in args.wraps.split(","):
             job = dict(wrap=wrap, backend=args.backend, modes=args.modes.split(","), steps=args.steps, warmup=args.warmup)

@@ -148,7 +148,12 @@ def _order_reads_before_calls(
     once the hook has refilled it. Its reads are ordered before later calls as any read (the
     hook after the block that frees it again comes after them). A read before any hook call
     would read nothing: that graph falls back (`ArrivesTooLate`), and a call that passes on a
-    tensor whose storage is still empty raises (eager would read nothing there either)."""
+    tensor whose storage is still empty raises (eager would read nothing there either).
+    torch's built-in compiled autograd lifts such a tensor as a plain graph input and counts on
+    the refill happening in place, on the same tensor, before its compiled code reads it (its
+    dynamo traces FSDP2's hooks into the graph or breaks the graph there); nothing in its graph
+    ties the read to the hook. Here the read depends on the hook's call by a data edge, which no
+    backend can reorder. (benchmarks/distributed.py runs both: docs/distributed.md.)"""
     from ..capture.create_graph import _aliases
 
     call = torch.ops.compiled_autograd.call.default
