@@ -490,11 +490,13 @@ def _mlp_step(model, x, compiled, **kwargs):
 
 
 def test_untested_torch_runs_every_backward_in_eager(monkeypatch):
-    """NOTE [Torch versions]: on a torch release the suite has not run against, the helper does
-    not load: every backward runs in eager, right, counted with the reason; fullgraph raises."""
+    """NOTE [Torch versions]: on a torch release the helper was not written for, it does not
+    load: every backward runs in eager, right, counted with the reason; fullgraph raises."""
     from compiled_autograd import native
     monkeypatch.delenv("COMPILED_AUTOGRAD_UNTESTED_TORCH", raising=False)
-    assert native.version_problem("2.13.0+cpu") is None
+    for version in ("2.13.0+cpu", "2.14.1+cu130", "2.15.0+cu132"):
+        assert native.version_problem(version) is None, version
+    assert "2.16.0" in native.version_problem("2.16.0") and "2.13-2.15" in native.version_problem("2.16.0")
     why = native.version_problem("2.11.0+cu130")
     assert "2.11.0+cu130" in why and "COMPILED_AUTOGRAD_UNTESTED_TORCH" in why
     monkeypatch.setenv("COMPILED_AUTOGRAD_UNTESTED_TORCH", "1")
@@ -515,6 +517,62 @@ def test_untested_torch_runs_every_backward_in_eager(monkeypatch):
     assert s.captures == 0 and s.eager_fallbacks == 2 and s.fallback_details[why] == 2
     with pytest.raises(ca.CompiledAutogradError, match="not a release"):
         _mlp_step(model, torch.randn(3, 4), compiled=True, fullgraph=True)
+
+
+def test_patches_are_in_force_on_the_releases_they_were_written_for(monkeypatch):
+    """NOTE [Torch versions]: one table of releases; a patch a later release made unneeded stays
+    off there, even where COMPILED_AUTOGRAD_UNTESTED_TORCH=1 tries a release beyond the table."""
+    from compiled_autograd import releases
+    from compiled_autograd.compile import torch_patches
+
+    monkeypatch.delenv("COMPILED_AUTOGRAD_UNTESTED_TORCH", raising=False)
+    assert {p.name for p in torch_patches.PATCHES} | {releases.HELPER} == set(releases.WRITTEN_FOR)
+    assert releases.in_force("mutation renames", "2.13.0") and not releases.in_force("mutation renames", "2.14.1")
+    for version in ("2.13.0", "2.14.1", "2.15.0"):
+        assert releases.in_force("fx traces", version) and releases.problem(releases.HELPER, version) is None
+    assert not releases.in_force("fx traces", "2.16.0") and not releases.in_force("fx traces", "2.12.0")
+    monkeypatch.setenv("COMPILED_AUTOGRAD_UNTESTED_TORCH", "1")
+    assert releases.in_force("fx traces", "2.16.0") and not releases.in_force("mutation renames", "2.16.0")
+    assert releases.in_force("fx traces", "2.11.0") and releases.in_force("mutation renames", "2.11.0")
+    assert releases.problem(releases.HELPER, "2.16.0") is None
+
+
+def test_a_patch_that_does_not_fit_this_torch_names_what_differs(monkeypatch):
+    """NOTE [Torch versions]: a patch whose target this torch lacks leaves torch alone and says
+    what differs: a compile-time one fails its compile with it, each time; an import-time one
+    makes every backward run in eager with it."""
+    from compiled_autograd import native, releases
+    from compiled_autograd.compile import torch_patches
+
+    class Inductorish:
+        pass
+
+    patch = torch_patches.Patch(
+        "freed buffers", "Inductorish.codegen_free", "NOTE [Freed, never reused]", "-", "test moment",
+        lambda: torch_patches._attr(Inductorish, "codegen_free"),
+    )
+    monkeypatch.setattr(torch_patches, "PATCHES", (patch,))
+    monkeypatch.setattr(releases, "LAYOUT_DIFFERS", {})
+    for _ in range(2):
+        with pytest.raises(torch_patches.LayoutDiffers, match="Inductorish.codegen_free is not in this torch"):
+            torch_patches.install("test moment")
+    why = releases.LAYOUT_DIFFERS["freed buffers"]
+    assert "NOTE [Freed, never reused]" in why and torch.__version__ in why
+    torch_patches._installed.discard("test moment")
+    torch_patches._failed.pop("test moment")
+
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_error", None)
+    ca.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    want = _mlp_step(model, x, compiled=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = _mlp_step(model, x, compiled=True)
+    assert_grads_equal(got, want, what="eager fallback", exact=True)
+    s = ca.stats()
+    assert s.captures == 0 and s.fallback_details[why] == 1 and s.fallback_reasons["torch release"] == 1
 
 
 def test_helper_that_fails_to_build_is_tried_once_and_every_backward_runs_in_eager(monkeypatch):

@@ -81,7 +81,10 @@ def split_joint(graph: fx.GraphModule, example_inputs: list, differentiable: tup
         tangents = [torch.empty_strided(shape, stride, dtype=dtype, device=device) for shape, stride, dtype, device in metas]
     try:
         with torch.no_grad(), mode:
-            gm = make_fx(joint, tracing_mode="real", _allow_non_fake_inputs=False)(list(example_inputs), tangents)
+            # (NOTE [A detach stays a gradient cut] in capture/trace.py)
+            gm = make_fx(joint, tracing_mode="real", _allow_non_fake_inputs=False, decomposition_table={})(
+                list(example_inputs), tangents
+            )
     except _NotSplit:
         return None
     split = _split(gm, len(differentiable))

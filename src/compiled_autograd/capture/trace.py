@@ -293,7 +293,10 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
         grad_mode, collected.capture.grad_mode = collected.capture.grad_mode, create_graph
         try:
             with torch.set_grad_enabled(create_graph), mode, _quiet_fake_tensor_errors():
-                gm = make_fx(backward_graph, tracing_mode="real", _allow_non_fake_inputs=False)(*fakes, *symints)
+                # (an explicit table, even empty: NOTE [A detach stays a gradient cut])
+                gm = make_fx(backward_graph, tracing_mode="real", _allow_non_fake_inputs=False, decomposition_table={})(
+                    *fakes, *symints
+                )
         except NeedsOpaque as e:
             opaque_extra[e.idx] = e.reason
             continue
@@ -332,6 +335,19 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
         )
         return Captured(gm, plan, fakes + symints, real_mask, size_inputs, None, shape_env)
     raise RuntimeError("compiled_autograd: could not trace this backward")
+
+
+# NOTE [A detach stays a gradient cut]
+# A create_graph graph is run again in grad mode and differentiated (NOTE [create_graph] in
+# capture/create_graph.py): each `aten.detach` in it must stay a cut, as eager's detach (and
+# what a custom backward computes without grad mode: NOTE [Ops without grad mode under
+# create_graph] in nodes/function.py) is. From torch 2.14, make_fx called without a
+# decomposition table decomposes `detach` into `aten.alias`, which autograd differentiates
+# through: the second order went through no_grad constants (a wrong gradient, found by
+# tests/test_create_graph.py on 2.14). An explicit table, even an empty one, keeps `detach`
+# (make_fx's docstring and code in 2.14 and 2.15: the default detach decomposition is added
+# only when the table is None); on 2.13 an empty table is what None meant, so every release
+# traces the same graph.
 
 
 @contextlib.contextmanager

@@ -134,7 +134,14 @@ def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, wh
                 _pending.discard(threading.current_thread())
 
     def start():
-        torch_patches.install(torch_patches.BACKGROUND)  # NOTE [One compile at a time], and the random state's
+        try:
+            torch_patches.install(torch_patches.BACKGROUND)  # NOTE [One compile at a time], and the random state's
+        except torch_patches.LayoutDiffers as e:  # NOTE [Torch versions]: the traced graph keeps serving
+            CACHE.replace(key, entry, dataclasses.replace(entry, compiling=False))
+            with LOCK:
+                STATS.compile_failures += 1
+            log.warning("background compile not started, the traced graph stays in use: %s", e)
+            return
         _wait_at_exit.register()
         # (not a daemon: NOTE [Background compiles at exit])
         thread = threading.Thread(target=work, name="compiled_autograd compile", daemon=False)

@@ -59,7 +59,10 @@ def _register_inductor_lowering() -> None:
         # one before, but keys it by buffer name where its scheduler looks it up by
         # operation name (torch 2.13): the dependency is lost, and inductor ran a call whose
         # outputs were needed early before the call traced ahead of it. So each call's
-        # operations also depend on the previous call's, keyed as the scheduler reads them
+        # operations also depend on the previous call's, keyed as the scheduler reads them:
+        # through `additional_star_deps` (a StarDep; 2.13, 2.14), from torch 2.15 through
+        # `additional_buffer_deps` (an ordering-only WeakDep, which 2.15's with_effects uses,
+        # keyed right), the one of the two this torch has
         previous = getattr(V.graph, "_compiled_autograd_last_call", None)
         created = V.graph.operations[start:]
         for operation in created:
@@ -69,8 +72,9 @@ def _register_inductor_lowering() -> None:
                 # Python kernel cost ~10 us a call
                 operation.python_kernel_name = ops.DIRECT_KERNEL_NAME
         if previous is not None:
+            deps = _ordering_deps(V.graph)
             for operation in created:
-                V.graph.additional_star_deps[operation.get_operation_name()].add(previous.get_name())
+                deps[operation.get_operation_name()].add(previous.get_name())
         if created:
             V.graph._compiled_autograd_last_call = created[-1]
         if flags & ops.KEEPS_INPUTS or flags >> ops.PASSES_SHIFT:
@@ -95,6 +99,19 @@ def _register_inductor_lowering() -> None:
                     if isinstance(inp, ir.IRNode) and inp.maybe_get_name() is not None:
                         _never_reuse(inp.get_name())
         return pytree.tree_map(_wrap_for_lowering, out)
+
+
+def _ordering_deps(graph) -> dict:
+    """The scheduler's extra dependencies of an operation, by name (NOTE [Calls run in eager's
+    order] above); `LayoutDiffers` naming both where this torch has neither."""
+    for name in ("additional_buffer_deps", "additional_star_deps"):  # torch 2.15; 2.13, 2.14
+        deps = getattr(graph, name, None)
+        if deps is not None:
+            return deps
+    raise torch_patches.LayoutDiffers(
+        f"inductor's GraphLowering has neither additional_buffer_deps nor additional_star_deps in this torch "
+        f"release ({torch.__version__}): the calls of a graph could not be kept in eager's order"
+    )
 
 
 def _wrap_for_lowering(x):

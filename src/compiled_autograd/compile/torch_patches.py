@@ -4,7 +4,11 @@ releases it was written for, how to tell it is still needed), installed from her
 Each patch is installed once, when the first thing that needs it happens (`install(when)`):
 at import, when a background compile is scheduled, when inductor first compiles one of our
 graphs; two are in force only while a dynamic graph compiles (`scoped`). Each marks what it
-installed (`_compiled_autograd = True`) and leaves a torch whose layout differs alone.
+installed (`_compiled_autograd = True`). A patch is installed only on the releases it was
+written for (`releases.WRITTEN_FOR`, NOTE [Torch versions] in native/__init__.py); one that
+finds torch laid out otherwise raises `LayoutDiffers`, naming what differs, and leaves torch
+alone: at import, every backward then runs in eager with that reason; later, the compile that
+needed it fails with it (a patch for speed only is then left out, logged).
 """
 
 from __future__ import annotations
@@ -21,6 +25,23 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from .. import releases
+
+log = logging.getLogger("compiled_autograd")
+
+class LayoutDiffers(RuntimeError):
+    """Torch is not laid out as a patch expects (NOTE [Torch versions] in native/__init__.py)."""
+
+
+def _attr(owner, name: str):
+    """`owner.name`, which a patch replaces; `LayoutDiffers` where this torch has none."""
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        where = getattr(owner, "__qualname__", None) or getattr(owner, "__name__", repr(owner))
+        raise LayoutDiffers(f"{where}.{name} is not in this torch") from None
+
 
 compile_lock = threading.RLock()  # one of our compiles at a time (NOTE [One compile at a time])
 
@@ -41,9 +62,9 @@ compile_lock = threading.RLock()  # one of our compiles at a time (NOTE [One com
 def serialize_dynamo_compiles() -> None:
     import torch._dynamo.convert_frame as convert_frame
 
-    original = getattr(convert_frame, "_compile", None)
-    if original is None or getattr(original, "_compiled_autograd", False):
-        return  # (None: a torch whose dynamo compiles frames elsewhere; nothing to wrap)
+    original = _attr(convert_frame, "_compile")
+    if getattr(original, "_compiled_autograd", False):
+        return
 
     @functools.wraps(original)
     def _compile(*args, **kwargs):
@@ -118,9 +139,10 @@ def _serialize_fx_traces() -> None:
     import torch.fx._symbolic_trace as fx_trace
     from torch.fx._symbolic_trace import Tracer, _Patcher
 
-    original = Tracer.trace
+    original = _attr(Tracer, "trace")
     if getattr(original, "_compiled_autograd", False):
         return
+    _attr(_Patcher, "patch"), _attr(_Patcher, "patch_method")
 
     @functools.wraps(original)
     def trace(self, *args, **kwargs):
@@ -146,7 +168,7 @@ def _serialize_fx_traces() -> None:
         return patch_method(self, cls, name, _confined(new_fn, current), deduplicate)
 
     fx_trace._compiled_autograd_tracing_here = _tracing_here
-    if hasattr(fx_trace, "_is_fx_tracing_flag"):  # a process-global flag (torch 2.13; later a thread-local one)
+    if hasattr(fx_trace, "_is_fx_tracing_flag"):  # a process-global flag (torch 2.13; a thread-local one from 2.14)
         replacements: dict = {}
         exec(_FLAG_FUNCTIONS, vars(fx_trace), replacements)
         for name, fn in replacements.items():
@@ -172,14 +194,10 @@ def _remember_vec_isa_probes() -> None:
     global _isa_probes_patched
     if _isa_probes_patched:
         return
+    from torch._inductor.cpu_vec_isa import VecISA
+
+    original = _attr(VecISA, "_probe_load")
     _isa_probes_patched = True
-    try:
-        from torch._inductor.cpu_vec_isa import VecISA
-    except ImportError:  # pragma: no cover
-        return
-    original = getattr(VecISA, "_probe_load", None)
-    if original is None:  # pragma: no cover - another torch
-        return
 
     @functools.wraps(original)
     def probe(self, output_path):
@@ -240,7 +258,7 @@ def _patch_codegen_free() -> None:
     from torch._inductor.codegen.wrapper import FreeLine, PythonWrapperCodegen
     from torch._inductor.virtualized import V
 
-    original = PythonWrapperCodegen.codegen_free
+    original = _attr(PythonWrapperCodegen, "codegen_free")
     if getattr(original, "_compiled_autograd", False):
         return
 
@@ -289,8 +307,8 @@ def _patch_preserve_rng_state() -> None:
 
     import torch._dynamo.utils as dynamo_utils
 
-    original = getattr(dynamo_utils, "preserve_rng_state", None)
-    if original is None or getattr(original, "_compiled_autograd", False):
+    original = _attr(dynamo_utils, "preserve_rng_state")
+    if getattr(original, "_compiled_autograd", False):
         return
 
     @contextlib.contextmanager
@@ -320,12 +338,13 @@ def _patch_mutation_renames() -> None:
     may be ordered before it, and reads the copy without the scattered values: a wrong
     gradient (found by the fuzzer: topk + repeat + layer_norm on one activation; the
     graph run as is, or by aot_eager, was right). torch 2.14 applies the renames always;
-    so does this, for the graphs we compile, on releases before 2.14."""
+    so does this, for the graphs we compile, on releases before 2.14 (its range in
+    `releases.WRITTEN_FOR` ends at 2.13: not installed on later releases)."""
     from torch._inductor.dependencies import StarDep, WeakDep
     from torch._inductor.scheduler import SchedulerNode
 
-    original = SchedulerNode.recompute_size_and_body
-    if getattr(original, "_compiled_autograd", False) or torch.torch_version.TorchVersion(torch.__version__) >= (2, 14):
+    original = _attr(SchedulerNode, "recompute_size_and_body")
+    if getattr(original, "_compiled_autograd", False):
         return
 
     def recompute_size_and_body(self, *args, **kwargs):
@@ -346,14 +365,11 @@ def _size_class_agnostic_reductions():
     the sizes into two ranges, each needing its own compile. When the size is
     symbolic and not known either way, we take the helper (cascade summation,
     correct and precise for every size) instead of guarding."""
-    try:
-        import sympy
-        from torch._inductor.codegen.cpp import CppKernel
-        from torch._inductor.virtualized import V
-    except ImportError:  # pragma: no cover - other torch versions
-        yield
-        return
-    original = CppKernel.need_use_acc_helper
+    import sympy
+    from torch._inductor.codegen.cpp import CppKernel
+    from torch._inductor.virtualized import V
+
+    original = _attr(CppKernel, "need_use_acc_helper")
 
     def need_use_acc_helper(self, reduction_type, dtype, use_scalar):
         if reduction_type == "sum" and dtype == torch.float and self.call_ranges is not None:
@@ -385,14 +401,11 @@ def _symbolic_range_simplification():
     whose largest value (each loop variable at its range's end) is provably
     below `d*m` (below `d`: zero). Sound: it only removes operations that are
     the identity (or zero) over the whole iteration space."""
-    try:
-        import sympy
-        from torch._inductor.sizevars import SizeVarAllocator
-        from torch.utils._sympy.functions import FloorDiv, ModularIndexing
-    except ImportError:  # pragma: no cover
-        yield
-        return
-    original = SizeVarAllocator._simplify_with_ranges
+    import sympy
+    from torch._inductor.sizevars import SizeVarAllocator
+    from torch.utils._sympy.functions import FloorDiv, ModularIndexing
+
+    original = _attr(SizeVarAllocator, "_simplify_with_ranges")
 
     def _simplify_with_ranges(self, expr, var_ranges):
         if var_ranges and (expr.has(ModularIndexing) or expr.has(FloorDiv)):
@@ -463,7 +476,7 @@ engine_query: Callable | None = None
 
 def _patch_will_engine_execute_node() -> None:
     """NOTE [Engine queries from hooks] (replay/calls.py)."""
-    original = torch._C._will_engine_execute_node
+    original = _attr(torch._C, "_will_engine_execute_node")
     if getattr(original, "_compiled_autograd", False):
         return
 
@@ -487,114 +500,153 @@ DYNAMIC_INDUCTOR = "dynamic inductor compile (scoped)"  # only while inductor co
 class Patch:
     """One patch of torch's internals."""
 
+    name: str  # its row in `releases.WRITTEN_FOR`: the torch releases it was written for
     replaces: str  # what it replaces
     why: str  # the NOTE that says why
-    releases: str  # the torch releases it was written for (and checked on)
     still_needed: str  # how to tell it is still needed
     when: str  # IMPORT, BACKGROUND, INDUCTOR: installed then, once; DYNAMIC_INDUCTOR: `scoped`
     install: Callable  # installs it (or, scoped, a context manager that holds it)
+    for_speed: bool = False  # only for speed: where torch's layout differs, left out (logged)
+
+    @property
+    def releases(self) -> str:
+        return releases.describe(releases.WRITTEN_FOR[self.name])
 
 
 PATCHES = (
     Patch(
+        "fx traces",
         "torch.fx Tracer.trace, _Patcher.patch/patch_method, and the code of is_fx_tracing / is_fx_symbolic_tracing",
         "NOTE [One fx trace at a time]",
-        "2.13, 2.14 (the flag became thread-local after; the lock stays)",
         "a capture beside a background compile fails with 'CURRENT_PATCHER is None' (tests/test_interop.py threads)",
         IMPORT,
         _serialize_fx_traces,
     ),
     Patch(
+        "engine queries",
         "torch._C._will_engine_execute_node",
         "NOTE [Engine queries from hooks] (replay/calls.py)",
-        "2.13",
         "register_multi_grad_hook(mode='all') in a compiled graph never calls its function (tests/test_hooks_node.py)",
         IMPORT,
         _patch_will_engine_execute_node,
     ),
     Patch(
+        "dynamo compiles",
         "torch._dynamo.convert_frame._compile",
         "NOTE [One compile at a time]",
-        "2.13",
         "a torch.compile'd training step beside a background compile fails: 'Expected current_level > 0'",
         BACKGROUND,
         serialize_dynamo_compiles,
     ),
     Patch(
+        "random state",
         "torch._dynamo.utils.preserve_rng_state (and the name in every torch.* module that imported it)",
         "NOTE [A background compile leaves the random state alone]",
-        "2.13",
         "dropout masks repeat after a background compile ends (tests/test_background.py)",
         BACKGROUND,
         _patch_preserve_rng_state,
     ),
     Patch(
+        "freed buffers",
         "torch._inductor.codegen.wrapper.PythonWrapperCodegen.codegen_free",
         "NOTE [Freed, never reused]",
-        "2.13",
         "a tensor hook on every activation: peak memory 1.8x eager's (tests/test_memory.py)",
         INDUCTOR,
         _patch_codegen_free,
     ),
     Patch(
+        "mutation renames",
         "torch._inductor.scheduler.SchedulerNode.recompute_size_and_body",
         "NOTE [Mutation renames after a loop recompute]",
-        "2.11-2.13 (2.14 fixed it: not installed there)",
         "topk's backward beside a layer norm reads a buffer before its scatter: a wrong gradient",
         INDUCTOR,
         _patch_mutation_renames,
     ),
     Patch(
+        "vector-ISA probes",
         "torch._inductor.cpu_vec_isa.VecISA._probe_load",
         "NOTE [Remembered vector-ISA probes]",
-        "2.13",
         "a warm process's first backward spends ~0.9 s probing ISAs (benchmarks/repro/disk_cache_sizes.py)",
         INDUCTOR,
         _remember_vec_isa_probes,
+        for_speed=True,
     ),
     Patch(
+        "reduction helper",
         "torch._inductor.codegen.cpp.CppKernel.need_use_acc_helper",
         "NOTE [One dynamic graph per size range]",
-        "2.13",
         "a dynamic graph compiles twice across a reduction size of 4096 (tests/test_dynamic.py)",
         DYNAMIC_INDUCTOR,
         _size_class_agnostic_reductions,
+        for_speed=True,
     ),
     Patch(
+        "reshape indexing",
         "torch._inductor.sizevars.SizeVarAllocator._simplify_with_ranges",
         "NOTE [Indexing of dynamic reshapes]",
-        "2.13",
         "a dynamic transformer's reshape kernels keep their modulos: scalar, 5x slower (tests/test_dynamic.py)",
         DYNAMIC_INDUCTOR,
         _symbolic_range_simplification,
+        for_speed=True,
     ),
 )
+assert {p.name for p in PATCHES} <= set(releases.WRITTEN_FOR), "every patch has its row in releases.WRITTEN_FOR"
 
 _installed: set = set()
 _install_lock = threading.Lock()
+_failed: dict = {}  # moment -> the LayoutDiffers of its first install (raised again each time)
+
+
+def _differs(patch: Patch, e: Exception) -> LayoutDiffers:
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return LayoutDiffers(
+        f"the patch of {patch.replaces} ({patch.why}; written for torch {patch.releases}) does not "
+        f"fit this torch release ({torch.__version__}): {type(e).__name__}: {first}"
+    )
 
 
 def install(when: str) -> None:
-    """Install the patches of this moment, once each."""
+    """Install the patches of this moment that are in force on this torch, once each;
+    `LayoutDiffers` where one (not only for speed) finds torch laid out otherwise."""
     if when in _installed:
+        if when in _failed:
+            raise _failed[when]
         return
     with _install_lock:
-        if when in _installed:
-            return
-        for patch in PATCHES:
-            if patch.when == when:
-                patch.install()
-        _installed.add(when)
+        if when not in _installed:
+            for patch in PATCHES:
+                if patch.when != when or not releases.in_force(patch.name):
+                    continue
+                try:
+                    patch.install()
+                except (LayoutDiffers, AttributeError, ImportError, TypeError) as e:
+                    err = _differs(patch, e)
+                    if patch.for_speed:
+                        log.warning("%s; left out (it is only for speed)", err)
+                    elif when not in _failed:
+                        _failed[when] = err
+                        releases.LAYOUT_DIFFERS[patch.name] = str(err)
+            _installed.add(when)
+    if when in _failed:
+        raise _failed[when]
 
 
 @contextlib.contextmanager
 def scoped(when: str = DYNAMIC_INDUCTOR):
-    """Hold the scoped patches of this moment for the length of the block."""
+    """Hold the scoped patches of this moment that are in force on this torch, for the length
+    of the block (they are only for speed: one that finds torch laid out otherwise is left out)."""
     with contextlib.ExitStack() as stack:
         for patch in PATCHES:
-            if patch.when == when:
+            if patch.when != when or not releases.in_force(patch.name):
+                continue
+            try:
                 stack.enter_context(patch.install())
+            except (LayoutDiffers, AttributeError, ImportError, TypeError) as e:
+                log.warning("%s; left out (it is only for speed)", _differs(patch, e))
         yield
 
 
-install(IMPORT)
+try:
+    install(IMPORT)
+except LayoutDiffers:  # every backward runs in eager, with its reason (NOTE [Torch versions])
+    pass

@@ -6,17 +6,28 @@ by the source and the torch version, so later processes load it in
 milliseconds.
 
 NOTE [Torch versions]
-The helper reads torch's internals as one torch release lays them out: how
-nodes are held (`c10::intrusive_ptr<Node>` since 2.13, `std::shared_ptr`
+The helper reads torch's internals as the releases it was written for lay them
+out: how nodes are held (`c10::intrusive_ptr<Node>` since 2.13, `std::shared_ptr`
 before), the C++ refcount convention of a tensor's PyObject that judges whether
-the graph owns an output, the private hook structs. A release that lays them
-out differently may not build the helper, or worse, build it and misread a
-value: a silent wrong gradient. So the helper loads only on the releases the
-test suite has run against (`TESTED`); on any other, or when the build fails,
-`load()` raises `Unavailable` and every backward runs in eager autograd,
-counted in `stats().fallback_reasons` with the reason (a warning once).
-`COMPILED_AUTOGRAD_UNTESTED_TORCH=1` lifts the version check, to try a new
-release (run the tests first).
+the graph owns an output, the private hook structs; the patches of
+compile/torch_patches.py replace private functions of fx, dynamo and inductor. A
+release that lays them out differently may not build the helper, or worse, build
+it and misread a value: a silent wrong gradient. So each of them is gated on the
+releases it was written for and checked on, one table: `releases.WRITTEN_FOR`
+(each release checked by `python -m tools.check_release VERSION`: the whole
+suite and the conformance sample; the matrix is in docs/torch-versions.md).
+
+- On a release outside the helper's range, or when the build fails, `load()`
+  raises `Unavailable` and every backward runs in eager autograd, counted in
+  `stats().fallback_reasons` with the reason (a warning once).
+- A patch is installed only on the releases of its row. One that finds torch
+  laid out otherwise (a function it replaces is missing or has another shape)
+  leaves torch alone and names what differs: an import-time patch makes every
+  backward run in eager with that reason (here); a compile-time one fails the
+  compile that needed it, which is counted with it; one only for speed is left
+  out, logged.
+- `COMPILED_AUTOGRAD_UNTESTED_TORCH=1` lifts the release check (not the layout
+  checks), to try another release: run `tools/check_release.py` on it first.
 """
 
 from __future__ import annotations
@@ -28,6 +39,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from .. import releases
 
 log = logging.getLogger("compiled_autograd")
 
@@ -41,8 +54,6 @@ SOURCES = tuple(
 _module = None
 _error: str | None = None  # why the helper is unavailable in this process (it is not retried)
 
-# (major, minor) releases of torch the test suite has run against (NOTE [Torch versions])
-TESTED = ((2, 13),)
 
 
 class Unavailable(Exception):
@@ -50,18 +61,12 @@ class Unavailable(Exception):
 
 
 def version_problem(version: str = torch.__version__) -> str | None:
-    """Why the helper must not load on this torch version; None when it may."""
-    try:
-        major, minor = (int(x) for x in version.split("+")[0].split(".")[:2])
-    except ValueError:
-        return f"torch {version}: not a version compiled_autograd can parse"
-    if (major, minor) in TESTED or os.environ.get("COMPILED_AUTOGRAD_UNTESTED_TORCH") == "1":
-        return None
-    tested = ", ".join(f"{a}.{b}" for a, b in TESTED)
-    return (
-        f"torch {version} is not a release compiled_autograd is tested on ({tested}); "
-        "set COMPILED_AUTOGRAD_UNTESTED_TORCH=1 to try it"
-    )
+    """Why the helper must not load on this torch version; None when it may (NOTE [Torch
+    versions]: its release range, and an import-time patch that found torch laid out otherwise)."""
+    why = releases.problem(releases.HELPER, version)
+    if why is None and version == torch.__version__ and releases.LAYOUT_DIFFERS:
+        why = next(iter(releases.LAYOUT_DIFFERS.values()))
+    return why
 
 
 def cache_root() -> Path:

@@ -32,7 +32,8 @@ FALLBACKS = (
     Kind("functorch", "a functorch transform (grad, vmap, jacrev, vjp) runs the engine", ("functorch", "batched by vmap")),
     Kind("dispatch mode", "a TorchDispatchMode is active", ("TorchDispatchMode",)),
     Kind("tensor subclass", "a root grad or a lifted tensor is a tensor subclass", ("subclass",)),
-    Kind("torch release", "the native helper is not available for this torch (NOTE [Torch versions])",
+    Kind("torch release", "the native helper is not available for this torch, or a patch of its internals does not fit it "
+         "(NOTE [Torch versions])",
          ("native helper", "torch release", "COMPILED_AUTOGRAD_UNTESTED_TORCH")),
     Kind("CUDA streams", "a node's forward ran on another CUDA stream (NOTE [Streams])", ("stream",)),
     Kind("unliftable tensor", "a tensor the graph would take as input cannot be one (sparse, no data, non-strided)",
