@@ -25,6 +25,19 @@ def _step(net, x):
     return [p.grad.clone() for p in net.parameters()]
 
 
+def _hit_matches_eager(net):
+    """The compiled graph serves a new input (a cache hit), with eager's grads up to
+    inductor's rounding."""
+    x2 = torch.randn(4, 16)
+    want = _step(net, x2)
+    hits = ca.stats().hits
+    with ca.enable("inductor"):
+        got = _step(net, x2)
+    assert ca.stats().hits == hits + 1 and ca.stats().captures == 1, ca.stats()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.fixture
 def fresh_inductor_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
@@ -117,11 +130,7 @@ def test_child_compiles_and_the_training_process_loads_from_the_caches(fresh_ind
         assert s.eager_while_compiling >= 1
         for a, b in zip(while_compiling, ref):
             assert torch.equal(a, b)
-    with ca.enable("inductor"):
-        compiled = _step(net, x)
-    assert ca.stats().hits == 1
-    for a, b in zip(compiled, ref):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    _hit_matches_eager(net)
 
 
 @pytest.mark.inductor
@@ -131,16 +140,13 @@ def test_failed_child_leaves_the_compile_in_process(fresh_inductor_cache, monkey
     net, x = _model(), torch.randn(4, 16)
     ref = _step(net, x)
     with ca.enable("inductor"):
-        _step(net, x)
+        first = _step(net, x)  # the traced graph: eager's ops, bitwise
+    assert all(torch.equal(a, b) for a, b in zip(first, ref))
     assert ca.synchronize(600)
     s = ca.stats()
     assert (s.child_compiles, s.compile_failures) == (0, 0), s
     assert counters["inductor"]["fxgraph_cache_miss"] == 1  # compiled here, in full
-    with ca.enable("inductor"):
-        compiled = _step(net, x)
-    assert ca.stats().hits == 1
-    for a, b in zip(compiled, ref):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    _hit_matches_eager(net)
 
 
 @pytest.mark.inductor
@@ -155,20 +161,21 @@ def test_graph_that_cannot_travel_is_compiled_in_process(fresh_inductor_cache, m
     assert ca.synchronize(600)
     s = ca.stats()
     assert (s.child_compiles, s.compile_failures) == (0, 0), s
-    with ca.enable("inductor"):
-        _step(net, x)
-    assert ca.stats().hits == 1
+    _hit_matches_eager(net)
 
 
 def test_aot_eager_steps_are_bitwise_eager():
     # (aot_eager compiles in the foreground, in-process: its steps are eager's, bitwise)
     net, x = _model(), torch.randn(4, 16)
-    ref = _step(net, x)
-    for _ in range(2):
+    for step in range(2):  # a capture, then a hit with a new input
+        x = torch.randn(4, 16)
+        ref = _step(net, x)
         with ca.enable("aot_eager"):
             got = _step(net, x)
         for a, b in zip(got, ref):
             assert torch.equal(a, b)
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks, s.child_compiles) == (1, 1, 0, 0), s
 
 
 @pytest.mark.inductor
@@ -180,6 +187,4 @@ def test_child_that_cannot_start_leaves_the_compile_in_process(fresh_inductor_ca
     assert ca.synchronize(600)
     s = ca.stats()
     assert (s.child_compiles, s.compile_failures) == (0, 0), s
-    with ca.enable("inductor"):
-        _step(net, x)
-    assert ca.stats().hits == 1
+    _hit_matches_eager(net)
