@@ -188,3 +188,24 @@ def test_child_that_cannot_start_leaves_the_compile_in_process(fresh_inductor_ca
     s = ca.stats()
     assert (s.child_compiles, s.compile_failures) == (0, 0), s
     _hit_matches_eager(net)
+
+
+@pytest.mark.parametrize("setting", ["idle", "10"])
+def test_child_lowers_its_priority_before_importing(setting):
+    """The child takes its priority before it imports torch or this package (seconds of CPU
+    that would otherwise run at the compile thread's priority, beside training)."""
+    import os
+    import subprocess
+
+    if not hasattr(os, "SCHED_IDLE"):
+        pytest.skip("no SCHED_IDLE here")
+    prologue = child._BOOT.split("from compiled_autograd")[0]
+    probe = "print(os.sched_getscheduler(0) == os.SCHED_IDLE, os.getpriority(os.PRIO_PROCESS, 0), 'torch' in sys.modules)"
+    env = dict(os.environ, COMPILED_AUTOGRAD_CHILD_NICE=setting)
+    out = subprocess.run([sys.executable, "-c", prologue + probe], env=env, capture_output=True, text=True, check=True)
+    idle, nice, imported = out.stdout.split()
+    assert imported == "False"
+    if setting == "idle":
+        assert idle == "True", out.stdout
+    else:
+        assert idle == "False" and int(nice) >= 10, out.stdout

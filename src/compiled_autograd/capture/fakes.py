@@ -133,7 +133,10 @@ def fake_inputs(collected: Collected, mask, history=()):
         # source gives it an `.item()` symbol, whose value nothing here guards (NOTE [No
         # item symbols for lifted scalars]); it has no size or stride, and its offset stays static)
         source = LocalSource(f"lifted{i}") if dim > 0 else None
-        f = mode.from_tensor(fakeable(t), symbolic_context=context if dim > 0 else None, source=source)
+        if mask:
+            f = mode.from_tensor(fakeable(t), symbolic_context=context if dim > 0 else None, source=source)
+        else:  # (static: the same fake, made without asking the ShapeEnv per size: a third of the time)
+            f = mode.from_tensor(fakeable(t), static_shapes=True, source=source)
         geo = list(f.shape) + (list(f.stride()) if with_strides else []) + [f.storage_offset()]
         for k, g in enumerate(geo):
             real_mask[start + k] = isinstance(g, torch.SymInt)

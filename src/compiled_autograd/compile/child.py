@@ -24,8 +24,8 @@ log = logging.getLogger("compiled_autograd")
 # processes). Run in a thread of the training process, the Python part holds the GIL most
 # of the time: the forward's many small ops each wait for it (up to the 5 ms switch
 # interval) and the transformer's steps while compiling took 2.2x eager's. So a background
-# compile of a static inductor graph first runs in a child process (`python -m
-# compiled_autograd.compile.child`) at niceness 10 (CHILD_NICENESS), given the graph (pickled:
+# compile of a static inductor graph first runs in a child process (`python -c _BOOT`, which
+# runs `main` below) at the lowest CPU priority (CHILD_NICENESS), given the graph (pickled:
 # its code), its inputs' geometry and the config that enters inductor's cache keys; the
 # child compiles it as the training process would, which fills inductor's caches
 # (AOTAutogradCache, FxGraphCache: the generated code and the .so) in the same cache
@@ -35,14 +35,22 @@ log = logging.getLogger("compiled_autograd")
 # fails, is killed, or compiled under another key (a config the child could not carry) costs
 # nothing but its time: the in-process compile is then a full one, with today's failure
 # handling. Only where inductor's caches are on; COMPILED_AUTOGRAD_COMPILE_PROCESS=0 turns it
-# off. One child at a time (several graphs: one after the other). Measured (benchmarks/
-# time_to_train.py, transformer, 2 cores at load average 5-7 from other processes): the steps
-# while compiling 0.97x eager's with the child, 1.18x with the compile in a thread here.
-# Niceness 10, not 19: the child holds no GIL of training's, so it only competes for CPU, and
-# at 19 (a 70th of a training thread's share) a compile on a machine kept busy (a load of 7
-# on 2 cores: other jobs beside training) did not end in 10 minutes, leaving training in
-# eager for good; at 10 it gets about a tenth of a busy core.
-CHILD_NICENESS = int(os.environ.get("COMPILED_AUTOGRAD_CHILD_NICE", "10"))
+# off. One child at a time (several graphs: one after the other).
+#
+# The priority: SCHED_IDLE (Linux; elsewhere niceness 19), so the child only gets CPU that
+# training leaves idle. The cost of a compile is CPU, and on a machine whose cores training
+# keeps busy (a CPU-only job with one thread per core) any share of it is taken from the
+# steps: measured on 2 cores (benchmarks/time_to_train.py, transformer, OpenMP's default
+# wait), the steps while compiling took 1.19x eager's with the child at niceness 10 and 0.99x
+# at SCHED_IDLE. Where training leaves cores idle (a GPU job: one Python thread feeding the
+# device) the idle child compiles at full speed. Where it does not, the compile lands late or
+# not at all and training runs in eager autograd meanwhile, at eager's speed:
+# COMPILED_AUTOGRAD_CHILD_NICE=10 (or 0) gives it a share of the CPU instead, so the graph
+# lands sooner and the steps until then are slower. The priority is set before the child
+# imports anything (torch and this package: 3.7 s of CPU idle, 12 s beside training), and
+# with OpenMP's PASSIVE wait the training threads sleep at each barrier, so even an idle
+# child takes those moments and every step pays the wake-ups (1.55x).
+CHILD_NICENESS = os.environ.get("COMPILED_AUTOGRAD_CHILD_NICE", "idle")
 POLL_S = 0.05  # how often the waiting thread looks at the child (a cancel at exit lands between polls)
 
 _child_lock = threading.Lock()
@@ -226,8 +234,25 @@ def compile_in_child(gm: torch.fx.GraphModule, example_inputs, patches: dict | N
                 pass
 
 
+# The child lowers its priority first, before it imports torch and this package (3.7 s of CPU
+# on an idle machine, 12 s beside training): run by `-c` before any import, so
+# that nothing of the child runs at the priority it inherits (the compile thread's, niceness 5).
+_BOOT = (
+    "import os, sys\n"
+    "p = os.environ.get('COMPILED_AUTOGRAD_CHILD_NICE', 'idle')\n"
+    "try:\n"
+    "    if p == 'idle': os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
+    "except (AttributeError, OSError): p = '19'\n"
+    "try:\n"
+    "    if p != 'idle': os.setpriority(os.PRIO_PROCESS, 0, max(int(p), os.getpriority(os.PRIO_PROCESS, 0)))\n"
+    "except (AttributeError, OSError, ValueError): pass\n"
+    "from compiled_autograd.compile.child import main\n"
+    "sys.exit(main())\n"
+)
+
+
 def _child_command(path: str) -> list:
-    return [sys.executable, "-c", "from compiled_autograd.compile.child import _lower, main; _lower(); main()", path]
+    return [sys.executable, "-c", _BOOT, path]
 
 
 def _run_child(path: str) -> bool:
@@ -268,15 +293,6 @@ def _run_child(path: str) -> bool:
     return True
 
 
-def _lower() -> None:
-    """The child's CPU priority: below training's (niceness CHILD_NICENESS)."""
-    try:
-        nice = int(os.environ.get("COMPILED_AUTOGRAD_CHILD_NICE", "10"))
-        os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
-    except (AttributeError, OSError, ValueError):
-        pass
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0], "rb") as f:
@@ -301,5 +317,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    _lower()
     sys.exit(main())
