@@ -8,7 +8,6 @@ import datetime
 import os
 import socket
 import tempfile
-import warnings
 
 import pytest
 import torch
@@ -151,18 +150,7 @@ def test_distributed_job_matches_eager(name, world):
         pytest.skip("no gloo")
     if world == 4 and name not in ("ddp", "fsdp2", "fsdp2 transformer bf16"):
         pytest.skip("4 ranks: the plain jobs only (time)")
-    try:
-        results = run_job(JOBS[name], world)
-    except Exception as e:
-        # KNOWN OPEN BUG (docs/distributed.md, known limits): about one run in five of this
-        # file, one job's rank times out in a gloo collective during the backward that captures
-        # (seen in "ddp bucket view, tiny buckets"); not reproduced alone in 12 runs. Until it is
-        # found, a collective timeout is reported and the job run once more; any other error, or
-        # a second timeout, fails.
-        if "Timed out waiting" not in str(e):
-            raise
-        warnings.warn(f"distributed job {name!r} on {world} ranks: a collective timed out; run again ({str(e)[-300:]})")
-        results = run_job(JOBS[name], world)
+    results = run_job(JOBS[name], world)
     for rank, r in enumerate(results):
         s = r["stats"]
         assert not r["problems"], (rank, r["problems"])

@@ -39,17 +39,37 @@ bool StorageSet::contains(const at::Tensor& t) const {
 // ---------------------------------------------------------------------------
 // Applier (capture.h)
 // ---------------------------------------------------------------------------
+
+// NOTE [Hooks and nodes run without the GIL]
+// The engine calls hooks and nodes without the GIL; a Python hook or a custom Function's
+// node takes it itself (PyFunctionTensorPreHook, PyNode::apply). Ours are called from the
+// graph's Python code, which holds it, so they run inside `without_gil`, as the engine runs
+// them. With the GIL held, a C++ hook could deadlock: DDP's reducer hook enqueues a bucket's
+// allreduce under ProcessGroupGloo's work mutex, which a gloo worker holds while it frees a
+// finished work whose tensors have Python objects, for which it waits for the GIL. Found as
+// a gloo timeout on the other rank, about one run in five of the DDP tests under load
+// (tests/test_distributed.py); both ranks' stacks showed one rank inside a reducer hook
+// called from the graph.
+template <class F>
+static auto without_gil(F&& f) {
+  py::gil_scoped_release no_gil;
+  return f();
+}
+
 std::vector<std::optional<at::Tensor>> Applier::call_tensor_pre_hooks(
     size_t idx,
     const std::vector<std::optional<at::Tensor>>& inputs) {
   auto& fn = g_.nodes_.at(idx).fn;
   variable_list values = to_variables(inputs);
-  for (const auto& hook : fn->tensor_pre_hooks()) {
-    values = (*hook)(values);
-  }
-  for (const auto& pair : fn->retains_grad_hooks()) {
-    values = (*pair.second)(values);
-  }
+  without_gil([&] {
+    for (const auto& hook : fn->tensor_pre_hooks()) {
+      values = (*hook)(values);
+    }
+    for (const auto& pair : fn->retains_grad_hooks()) {
+      values = (*pair.second)(values);
+    }
+    return 0;
+  });
   return from_variables(values);
 }
 
@@ -58,9 +78,12 @@ std::vector<std::optional<at::Tensor>> Applier::call_pre_hooks(
     const std::vector<std::optional<at::Tensor>>& inputs) {
   auto& fn = g_.nodes_.at(idx).fn;
   variable_list values = to_variables(inputs);
-  for (const auto& hook : fn->pre_hooks()) {
-    values = (*hook)(values);
-  }
+  without_gil([&] {
+    for (const auto& hook : fn->pre_hooks()) {
+      values = (*hook)(values);
+    }
+    return 0;
+  });
   return from_variables(values);
 }
 
@@ -71,9 +94,12 @@ std::vector<std::optional<at::Tensor>> Applier::call_post_hooks(
   auto& fn = g_.nodes_.at(idx).fn;
   variable_list outs = to_variables(outputs);
   variable_list ins = to_variables(inputs);
-  for (const auto& hook : fn->post_hooks()) {
-    outs = (*hook)(outs, ins);
-  }
+  without_gil([&] {
+    for (const auto& hook : fn->post_hooks()) {
+      outs = (*hook)(outs, ins);
+    }
+    return 0;
+  });
   return from_variables(outs);
 }
 
@@ -83,7 +109,8 @@ std::vector<std::optional<at::Tensor>> Applier::call_node(
     const std::vector<std::optional<at::Tensor>>& inputs) {
   auto& fn = g_.nodes_.at(idx).fn;
   at::NoGradGuard no_grad;
-  variable_list outs = (*fn)(to_variables(inputs));
+  variable_list in = to_variables(inputs);
+  variable_list outs = without_gil([&] { return (*fn)(std::move(in)); });
   return tracer_.validate(idx, from_variables(outs));
 }
 
@@ -102,7 +129,7 @@ void Applier::accumulate_graph_grad(size_t idx, const at::Tensor& grad, bool hoo
   at::NoGradGuard no_grad;
   variable_list in;
   in.emplace_back(std::move(given));
-  (*g_.nodes_.at(idx).fn)(std::move(in));
+  without_gil([&] { return (*g_.nodes_.at(idx).fn)(std::move(in)); });
 }
 
 // A leaf's tensor hooks, then its AccumulateGrad, as the engine runs them in one step
@@ -111,17 +138,20 @@ void Applier::hooked_accumulate_tensor(size_t idx, at::Tensor grad) {
   auto& fn = g_.nodes_.at(idx).fn;
   variable_list values;
   values.emplace_back(std::move(grad));
-  for (const auto& hook : fn->tensor_pre_hooks()) {
-    values = (*hook)(values);
-  }
-  for (const auto& pair : fn->retains_grad_hooks()) {
-    values = (*pair.second)(values);
-  }
-  if (values.empty() || !values[0].defined()) {
-    return;
-  }
-  at::NoGradGuard no_grad;
-  (*fn)(std::move(values));
+  without_gil([&] {
+    for (const auto& hook : fn->tensor_pre_hooks()) {
+      values = (*hook)(values);
+    }
+    for (const auto& pair : fn->retains_grad_hooks()) {
+      values = (*pair.second)(values);
+    }
+    if (values.empty() || !values[0].defined()) {
+      return 0;
+    }
+    at::NoGradGuard no_grad;
+    (*fn)(std::move(values));
+    return 0;
+  });
 }
 
 // Accumulate the graph's results for the nodes listed in `acc` (node index,
@@ -142,7 +172,7 @@ std::vector<std::optional<at::Tensor>> Applier::apply_results(
     item = py::object();
     variable_list in;
     in.emplace_back(std::move(grad));
-    (*g_.nodes_.at(node_idx).fn)(std::move(in));
+    without_gil([&] { return (*g_.nodes_.at(node_idx).fn)(std::move(in)); });
   }
   std::vector<std::optional<at::Tensor>> out;
   for (auto res_idx : captured) {
