@@ -129,7 +129,7 @@ def test_a_vector_isa_probe_that_loaded_once_is_not_run_again(tmp_path, monkeypa
     # and CPU flags, in our cache directory; a failure is probed again
     from torch._inductor.cpu_vec_isa import VecISA
 
-    from compiled_autograd.compile import torch_patches
+    from compiled_autograd.compile import inductor_patches
     monkeypatch.setenv("COMPILED_AUTOGRAD_CACHE_DIR", str(tmp_path / "cache"))
     calls = []
 
@@ -138,8 +138,8 @@ def test_a_vector_isa_probe_that_loaded_once_is_not_run_again(tmp_path, monkeypa
         return "bad" not in path
 
     monkeypatch.setattr(VecISA, "_probe_load", child_process_probe)
-    monkeypatch.setattr(torch_patches, "_isa_probes_patched", False)
-    torch_patches._remember_vec_isa_probes()
+    monkeypatch.setattr(inductor_patches, "_isa_probes_patched", False)
+    inductor_patches._remember_vec_isa_probes()
     good, bad = tmp_path / "good.so", tmp_path / "bad.so"
     good.write_bytes(b"x")
     bad.write_bytes(b"x")

@@ -174,7 +174,7 @@ def test_index_identities_dropped_only_where_provable():
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
-    from compiled_autograd.compile.torch_patches import _drop_range_identities
+    from compiled_autograd.compile.inductor_patches import _drop_range_identities
 
     env = ShapeEnv()
     b = env.create_symbol(5, LocalSource("b"))

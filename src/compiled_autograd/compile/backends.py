@@ -8,22 +8,13 @@ returning the list of graph outputs.
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import functools
-import hashlib
-import json
-import logging
-import operator
-import os
-import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-from ..replay import calls as ops
-from ..values import BOXED, BackendLike
+from ..values import BackendLike
 from .boxed import _boxed_graph_module, _direct_calls_nop, compile_on_static_fakes
 from .torch_patches import compile_lock
 

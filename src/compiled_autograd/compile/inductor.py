@@ -9,7 +9,7 @@ import functools
 import torch
 
 from ..replay import calls as ops
-from . import torch_patches
+from . import inductor_patches, torch_patches
 from .boxed import compile_on_static_fakes
 
 
@@ -28,11 +28,11 @@ def compile_inductor(gm, example_inputs, dynamic: bool, patches: dict | None):
         torch_patches.scoped(torch_patches.DYNAMIC_INDUCTOR) if dynamic else contextlib.nullcontext()
     ), _cache_tag(dynamic) as tagged:
         # NOTE [Inductor's FX graph cache for our graphs]
-        torch_patches.compiling_ours.active = True
+        inductor_patches.compiling_ours.active = True
         try:
             return compile_on_static_fakes(compile_fx, gm, example_inputs, static=tagged and not dynamic)
         finally:
-            torch_patches.compiling_ours.active = False
+            inductor_patches.compiling_ours.active = False
 
 
 def _register_inductor_lowering() -> None:
