@@ -5,6 +5,7 @@ at every step, no eager fallback, no capture after the first steps."""
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import socket
 import tempfile
@@ -68,6 +69,10 @@ def _params(model):
 
 
 def _rank(rank, world, port, job, out_dir):
+    # a rank still running after 45 s (a job takes ~5) writes every thread's stack, before its
+    # collectives time out (60 s): a failure shows where each rank was (run_job)
+    stacks = open(os.path.join(out_dir, f"stacks{rank}.txt"), "w")
+    faulthandler.dump_traceback_later(45, file=stacks)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), COMPILED_AUTOGRAD_DISK_CACHE="0")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
@@ -120,6 +125,13 @@ def run_job(job, world=2):
             while not ctx.join(timeout=5):
                 if time.monotonic() - t0 > deadline:
                     raise TimeoutError(f"distributed job {job} did not finish in {deadline} s")
+        except Exception as e:
+            stacks = ""
+            for r in range(world):
+                path = os.path.join(out_dir, f"stacks{r}.txt")
+                if os.path.exists(path) and os.path.getsize(path):
+                    stacks += f"\n--- rank {r}, 45 s in ---\n" + open(path).read()[-6000:]
+            raise RuntimeError(f"{type(e).__name__}: {e}{stacks}") from e
         finally:
             for p in ctx.processes:
                 if p.is_alive():
