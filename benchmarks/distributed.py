@@ -34,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("eager", "ours", "torch-ca")
+WRONG_GRADS = 1e-2  # a mode's grads further from eager's than this (relative) are wrong, not rounding
 
 
 def _model():
@@ -92,6 +93,12 @@ def _rank(rank, world, port, job, out_dir):
     opts = {m: torch.optim.AdamW(models[m].parameters(), lr=1e-3) for m in models}
     times = {m: [] for m in models}
     errors = {}
+    grad_diff = {m: 0.0 for m in models}  # the largest difference from eager's grads, relative to their largest
+    grads: dict = {}
+
+    def full(g):
+        # (a collective for a DTensor: every rank runs the modes in the same order)
+        return None if g is None else (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().float().clone()
 
     def step(mode, i):
         torch.manual_seed(1000 * i + rank)
@@ -102,8 +109,25 @@ def _rank(rank, world, port, job, out_dir):
         with contexts[mode]():
             loss.backward()
         opts[mode].step()
+        t = time.perf_counter() - t0
+        grads[mode] = [full(p.grad) for p in models[mode].parameters()]  # (the optimizer leaves them)
         opts[mode].zero_grad()
-        return time.perf_counter() - t0
+        return t
+
+    def compare_grads():
+        # each mode's grads against eager's of the same step: a mode whose gradients are wrong
+        # is reported as such, not as a speed-up
+        want = grads.pop("eager", None)
+        for mode, got in grads.items():
+            if want is None:
+                continue
+            scale = max((float(a.abs().max()) for a in want if a is not None), default=0.0) or 1.0
+            for a, b in zip(want, got):
+                if (a is None) != (b is None) or (a is not None and a.shape != b.shape):
+                    grad_diff[mode] = float("inf")
+                elif a is not None:
+                    grad_diff[mode] = max(grad_diff[mode], float((a - b).abs().max()) / scale)
+        grads.clear()
 
     try:
         order = list(models)
@@ -119,10 +143,11 @@ def _rank(rank, world, port, job, out_dir):
                         traceback.print_exc()
                 if mode == "ours" and i == job["warmup"] - 1:
                     ca.synchronize()
+            compare_grads()
         s = ca.stats()
         stats = dict(captures=s.captures, hits=s.hits, eager_fallbacks=s.eager_fallbacks, learning=s.learning_backwards,
                      eager_while_compiling=getattr(s, "eager_while_compiling", 0), opaque=dict(s.opaque_reasons))
-        torch.save(dict(times=times, errors=errors, stats=stats), os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(dict(times=times, errors=errors, stats=stats, grad_diff=grad_diff), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -161,13 +186,20 @@ def summarize(result, job):
             rows[mode] = dict(error=result["errors"].get(mode, "no timed steps"))
             continue
         rows[mode] = dict(first_s=t[0], median_s=statistics.median(t[warm:]), min_s=min(t[warm:]), steps=len(t) - warm)
+        rows[mode]["grad_diff"] = result.get("grad_diff", {}).get(mode)
     base = rows["eager"].get("median_s")
     for mode, r in rows.items():
         if base and "median_s" in r:
             r["vs_eager"] = r["median_s"] / base
-    if "median_s" in rows.get("ours", {}) and "median_s" in rows.get("torch-ca", {}):
+    if "median_s" in rows.get("ours", {}) and "median_s" in rows.get("torch-ca", {}) and \
+            (rows["torch-ca"].get("grad_diff") or 0.0) <= WRONG_GRADS:  # (no ratio to a wrong result)
         rows["ours"]["vs_torch_ca"] = rows["ours"]["median_s"] / rows["torch-ca"]["median_s"]
     return rows
+
+
+def _diff(rows, mode) -> str:
+    d = rows.get(mode, {}).get("grad_diff")
+    return "-" if d is None else ("equal" if d == 0 else f"{d:.1g}")
 
 
 def write_report(out: Path, results: dict, meta: dict):
@@ -182,9 +214,11 @@ def write_report(out: Path, results: dict, meta: dict):
         "A transformer (4 encoder layers, d=128, batch 16x32) per rank; a step is forward, backward and",
         "AdamW's step, timed on rank 0 between barriers; the modes' steps alternate in one set of",
         f"processes. Median of {meta['steps']} steps after {meta['warmup']} warm-up steps (capture and compile).",
+        "Every step, each mode's gradients (gathered in full) are compared with eager's of the same",
+        f"step; a mode whose grads are off by more than {WRONG_GRADS:g} of their largest is marked as wrong.",
         "",
-        "| job | ranks | eager step | ours | ours / eager | torch built-in | built-in / eager | ours / built-in | ours' first step | ours: captures, hits, fallbacks, opaque |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| job | ranks | eager step | ours | ours / eager | torch built-in | built-in / eager | ours / built-in | ours' first step | ours: captures, hits, fallbacks, opaque | grads vs eager: ours; built-in |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, r in results.items():
         wrap, world = key.split("@")
@@ -194,13 +228,17 @@ def write_report(out: Path, results: dict, meta: dict):
             m = rows.get(mode, {})
             if "error" in m:
                 return "fails: " + m["error"].replace("|", "/")[:80]
-            return fmt.format(m[field] * scale) if field in m else "-"
+            text = fmt.format(m[field] * scale) if field in m else "-"
+            diff = m.get("grad_diff")
+            if field == "median_s" and diff is not None and diff > WRONG_GRADS:
+                text += f" (**wrong grads**: {diff:.2g} of their largest off)"
+            return text
 
         lines.append(
             f"| {wrap} | {world} | {cell('eager')} | {cell('ours')} | {cell('ours', 'vs_eager', 1, '{:.2f}x')} | "
             f"{cell('torch-ca')} | {cell('torch-ca', 'vs_eager', 1, '{:.2f}x')} | {cell('ours', 'vs_torch_ca', 1, '{:.2f}x')} | "
             f"{cell('ours', 'first_s', 1, '{:.1f} s')} | {st['captures']}, {st['hits']}, {st['eager_fallbacks']}, "
-            f"{sum(st['opaque'].values())} |"
+            f"{sum(st['opaque'].values())} | {_diff(rows, 'ours')}; {_diff(rows, 'torch-ca')} |"
         )
     (out / "results.md").write_text("\n".join(lines) + "\n")
     _plot(out / "step_time.png", results)
@@ -218,8 +256,15 @@ def _plot(path: Path, results: dict):
     fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(keys), 3.6))
     width = 0.8 / len(MODES)
     for j, mode in enumerate(MODES):
-        vals = [results[k]["rows"].get(mode, {}).get("vs_eager", 0) for k in keys]
-        ax.bar([i + j * width for i in range(len(keys))], vals, width, label=mode)
+        rows = [results[k]["rows"].get(mode, {}) for k in keys]
+        xs = [i + j * width for i in range(len(keys))]
+        bars = ax.bar(xs, [r.get("vs_eager", 0) for r in rows], width, label=mode)
+        for bar, r in zip(bars, rows):
+            if (r.get("grad_diff") or 0.0) > WRONG_GRADS:  # (a wrong result is no speed)
+                bar.set_hatch("//")
+                bar.set_alpha(0.5)
+                ax.annotate("wrong\ngrads", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=7, color="red")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks([i + width for i in range(len(keys))], [k.replace("@", "\n") + " ranks" for k in keys])
     ax.set_ylabel("step time / eager (lower is better)")
