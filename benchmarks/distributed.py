@@ -149,6 +149,11 @@ def _rank(rank, world, port, job, out_dir):
                      eager_while_compiling=getattr(s, "eager_while_compiling", 0), opaque=dict(s.opaque_reasons))
         torch.save(dict(times=times, errors=errors, stats=stats, grad_diff=grad_diff), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
+        import gc
+
+        models = opts = None  # (the process group freed while Python is whole: tests/test_distributed.py)
+        ca.reset()
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -17,6 +17,7 @@ reduce-scatters are started by their hooks from inside the compiled graph, as in
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import time
@@ -143,6 +144,12 @@ def main(argv=None):
             for i, launches in fractions.items():
                 print(f"last step, {('compiled', 'eager')[i]}: {len(launches)} gradient collectives launched at "
                       + ", ".join(f"{100 * f:.0f}%" for f in launches) + " of the backward")
+    # free what holds the process group before destroying it, so that gloo's workers stop
+    # while Python is whole (tests/test_distributed.py: a worker left freeing a work at exit can
+    # abort the process)
+    models = opts = None
+    ca.reset()
+    gc.collect()
     dist.destroy_process_group()
     return 1 if mismatches else 0
 
