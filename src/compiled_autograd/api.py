@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.autograd

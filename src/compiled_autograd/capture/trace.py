@@ -36,22 +36,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import operator
-import threading
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
-import sympy
 import torch
-from torch._dynamo.source import LocalSource, TensorProperty, TensorPropertySource
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import (
-    SYMPY_INTERP,
-    DimDynamic,
-    ShapeEnv,
-    StatelessSymbolicContext,
-)
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..errors import NeedsOpaque, NotTwiceDifferentiable
 from ..nodes import TRACE_RULES, accumulate, compiled_region, function, hooks, opaque, saved_tensors

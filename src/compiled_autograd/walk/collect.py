@@ -19,14 +19,8 @@ node. This module adds what only Python can see:
 
 from __future__ import annotations
 
-import enum
 import functools
 import hashlib
-import math
-import sys
-import threading
-import types
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
