@@ -110,7 +110,10 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
     )
     log.info("captured %d nodes (%s): trace %.2fs, compile %.2fs", len(names), reason, t1 - t0, t2 - t1)
     if background:
-        example = captured.example_inputs if is_dynamic else _static_fakes(collected.lifted)
+        # (the trace's own fakes: static ones for a static graph, in a mode with a ShapeEnv,
+        # with no reference to the user's tensors; making them again took 70 ms of the
+        # transformer's first backward)
+        example = captured.example_inputs
         compile_in_background(cfg, key, entry, example, what, logged, lambda: dynamic_of(captured, entry.sizes))
     return entry
 
