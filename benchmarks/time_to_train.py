@@ -24,6 +24,12 @@ recorded with `time.perf_counter`. Modes:
 Eager runs first; the number of steps is the larger of --steps and the number eager needs to reach
 --target-seconds (N15), so that every mode's total of the first N15 steps is measured too.
 
+A single pair of runs is noisy here: eager's own 60-step total moved by 8% between back-to-back
+runs on this 2-core machine, which is more than the difference being measured. `--repeat K` runs
+the modes of --repeat-modes (default eager,ours) K-1 more times, alternating their order each
+round, and reports each round's ratio of totals and their median; the first round's rows are the
+ones the main tables and the plot show.
+
 Writes OUT/results.json, OUT/results.md and OUT/cumulative_time.png (cumulative seconds over
 steps, one line per mode, one panel per workload; needs matplotlib, which the report part imports
 without torch: `--report-only` can be run by any Python that has matplotlib).
@@ -219,18 +225,23 @@ def _main(args) -> int:
     def save():
         (out_dir / "results.json").write_text(json.dumps(data, indent=1))
 
+    repeated = [m for m in modes if m in args.repeat_modes.split(",")]
     for wl in workloads:
         steps = args.steps
-        for mode in modes:
-            print(f"[{wl}] {mode}: {steps} steps (load {os.getloadavg()[0]:.2f})", flush=True)
-            # (eager runs until it reaches the target, and sets the steps of the others)
-            row = _run_one(args, wl, mode, steps, out_dir, until=args.target_seconds if mode == "eager" else 0.0)
-            data["rows"].append(row)
-            save()
-            times = [s["s"] for s in row["steps"]]
-            print(f"    {row['status']}: {len(times)} steps, total {sum(times):.2f}s", flush=True)
-            if mode == "eager" and times:
-                steps = max(steps, len(times))
+        for rnd in range(max(1, args.repeat)):
+            order = modes if rnd == 0 else (repeated if rnd % 2 == 0 else repeated[::-1])
+            for mode in order:
+                print(f"[{wl}] round {rnd}, {mode}: {steps} steps (load {os.getloadavg()[0]:.2f})", flush=True)
+                # (eager's first run goes until it reaches the target, and sets the steps of the others)
+                until = args.target_seconds if mode == "eager" and rnd == 0 else 0.0
+                row = _run_one(args, wl, mode, steps, out_dir, until=until)
+                row["round"] = rnd
+                data["rows"].append(row)
+                save()
+                times = [s["s"] for s in row["steps"]]
+                print(f"    {row['status']}: {len(times)} steps, total {sum(times):.2f}s", flush=True)
+                if mode == "eager" and rnd == 0 and times:
+                    steps = max(steps, len(times))
     data["finished"] = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
     data["machine"]["loadavg_end"] = os.getloadavg()
     save()
@@ -261,7 +272,8 @@ def summarize(data: dict) -> list:
     out = []
     by_wl: dict = {}
     for r in data["rows"]:
-        by_wl.setdefault(r["workload"], []).append(r)
+        if r.get("round", 0) == 0:
+            by_wl.setdefault(r["workload"], []).append(r)
     for wl, rows in by_wl.items():
         eager = next((r for r in rows if r["mode"] == "eager"), None)
         e_times = [s["s"] for s in eager["steps"]] if eager else []
@@ -308,6 +320,55 @@ def summarize(data: dict) -> list:
     return out
 
 
+def rounds(data: dict, ns_of: dict) -> dict:
+    """workload -> one dict per round: each repeated mode's total of the first n steps (n in
+    `ns_of[workload]`), and the median over rounds of each mode's ratio to eager's total of the
+    same round."""
+    out: dict = {}
+    for wl, ns in ns_of.items():
+        by_round: dict = {}
+        for r in data["rows"]:
+            if r["workload"] == wl and r.get("status") == "ok":
+                times = [s["s"] for s in r["steps"]]
+                by_round.setdefault(r.get("round", 0), {})[r["mode"]] = {n: sum(times[:n]) for n in ns if len(times) >= n}
+        if len(by_round) < 2:
+            continue
+        ratios: dict = {}
+        table = []
+        for rnd, totals in sorted(by_round.items()):
+            eager = totals.get("eager", {})
+            row = {"round": rnd, "totals": totals, "vs_eager": {}}
+            for mode, t in totals.items():
+                for n, v in t.items():
+                    if mode != "eager" and eager.get(n):
+                        row["vs_eager"].setdefault(mode, {})[n] = v / eager[n]
+                        ratios.setdefault((mode, n), []).append(v / eager[n])
+            table.append(row)
+        out[wl] = {"rounds": table, "median_vs_eager": {f"{m} {n}": _median(v) for (m, n), v in ratios.items()},
+                   "range_vs_eager": {f"{m} {n}": [min(v), max(v)] for (m, n), v in ratios.items()}}
+    return out
+
+
+def _rounds_lines(rep: dict, ns: list) -> list:
+    modes = [m for m in dict.fromkeys(m for row in rep["rounds"] for m in row["totals"]) if m != "eager"]
+    head = "| round | " + " | ".join(f"eager, {n} steps | " + " | ".join(f"{m}, {n} steps (vs eager)" for m in modes) for n in ns) + " |"
+    lines = ["Repeated runs (each round one fresh process per mode, the order alternating):", "", head,
+             "|" + "---|" * (1 + len(ns) * (1 + len(modes)))]
+    for row in rep["rounds"]:
+        cells = [str(row["round"])]
+        for n in ns:
+            cells.append(_f(row["totals"].get("eager", {}).get(n), "{:.2f} s"))
+            for m in modes:
+                cells.append(f"{_f(row['totals'].get(m, {}).get(n), '{:.2f} s')} "
+                             f"({_f(row['vs_eager'].get(m, {}).get(n), '{:.3f}x')})")
+        lines.append("| " + " | ".join(cells) + " |")
+    med = rep["median_vs_eager"]
+    rng = rep["range_vs_eager"]
+    lines += ["", "Median of the rounds' ratios to eager: " + "; ".join(
+        f"{k.split()[0]}, {k.split()[1]} steps: {v:.3f}x ({rng[k][0]:.3f}-{rng[k][1]:.3f}x)" for k, v in med.items()) + ".", ""]
+    return lines
+
+
 def _f(x, fmt="{:.3f}"):
     return "-" if x is None else fmt.format(x)
 
@@ -315,6 +376,8 @@ def _f(x, fmt="{:.3f}"):
 def write_report(data: dict, out_dir: Path) -> None:
     rows = summarize(data)
     data["summary"] = rows
+    ns_of = {wl: sorted({int(n) for r in rows if r["workload"] == wl for n in r["totals"]}) for wl in dict.fromkeys(r["workload"] for r in rows)}
+    data["rounds"] = rounds(data, ns_of)
     (out_dir / "results.json").write_text(json.dumps(data, indent=1))
     m = data.get("machine", {})
     lines = [
@@ -370,6 +433,8 @@ def write_report(data: dict, out_dir: Path) -> None:
             lines.append("| " + " | ".join(cells) + " |")
         lines += ["", "Load average (1 min) before/after each row: " + ", ".join(
             f"{r['mode']} {_f(r['loadavg'][0], '{:.2f}')}/{_f(r['loadavg'][1], '{:.2f}')}" for r in wr) + ".", ""]
+        if wl in data["rounds"]:
+            lines += _rounds_lines(data["rounds"][wl], ns)
     notes = data.get("notes")
     if notes:
         lines += ["## Notes", "", notes, ""]
@@ -391,7 +456,7 @@ def plot(data: dict, path: Path) -> bool:
     fig, axes = plt.subplots(1, len(wls), figsize=(6.5 * len(wls), 4.8), squeeze=False)
     for ax, wl in zip(axes[0], wls):
         for r in data["rows"]:
-            if r["workload"] != wl or not r["steps"]:
+            if r["workload"] != wl or not r["steps"] or r.get("round", 0) != 0:
                 continue
             ys, total = [0.0], 0.0
             for s in r["steps"]:
@@ -418,6 +483,8 @@ def main(argv=None) -> int:
     p.add_argument("--target-seconds", type=float, default=15.0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1200)
+    p.add_argument("--repeat", type=int, default=1, help="rounds of the --repeat-modes (the first round runs every mode)")
+    p.add_argument("--repeat-modes", default="eager,ours")
     p.add_argument("--until-seconds", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, default=0.0, help="stop a mode's steps after this many seconds (0: never)")
     p.add_argument("--quick", action="store_true", help="small models, 8 steps, a 0.1 s target: a smoke run")
