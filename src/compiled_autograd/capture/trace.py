@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,9 +49,13 @@ from ..nodes import TRACE_RULES, accumulate, compiled_region, function, hooks, o
 from ..replay import calls as ops
 from ..values import NodeKind, Plan, Slot
 from ..walk.collect import Collected
+from ..observe.stats import LOCK, STATS
 from .fakes import fake_inputs
+from .record import Recorder, record
 from .grads import _sum, _union, _Value, defined
 from .passes import _mark_fresh_grads, _mark_shared_args, _order_reads_before_calls, _passable, _releases, _version_checked
+
+log = logging.getLogger("compiled_autograd")
 
 ACCUMULATE_KIND = NodeKind.ACCUMULATE
 MAX_OPAQUE_RETRIES = 16  # traces of one backward, each making one more node opaque
@@ -270,6 +275,7 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
     opaque_extra: dict[int, str] = {
         i: "marked opaque" for i, n in enumerate(collected.nodes) if n.name in opaque_names and n.kind != ACCUMULATE_KIND
     }
+    recording = RECORD
     for _ in range(MAX_OPAQUE_RETRIES):
         mode, shape_env, fakes, symints, size_inputs, real_mask = fake_inputs(collected, mask, history)
         tracer = _BackwardTracer(collected, opaque_extra, size_inputs, layouts)
@@ -283,10 +289,16 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
         grad_mode, collected.capture.grad_mode = collected.capture.grad_mode, create_graph
         try:
             with torch.set_grad_enabled(create_graph), mode, _quiet_fake_tensor_errors():
-                # (an explicit table, even empty: NOTE [A detach stays a gradient cut])
-                gm = make_fx(backward_graph, tracing_mode="real", _allow_non_fake_inputs=False, decomposition_table={})(
-                    *fakes, *symints
-                )
+                if recording and not symints and not create_graph:
+                    gm = _record(backward_graph, fakes)
+                    if gm is None:  # traced again with make_fx, on new fakes
+                        recording = False
+                        continue
+                else:
+                    # (an explicit table, even empty: NOTE [A detach stays a gradient cut])
+                    gm = make_fx(backward_graph, tracing_mode="real", _allow_non_fake_inputs=False, decomposition_table={})(
+                        *fakes, *symints
+                    )
         except NeedsOpaque as e:
             opaque_extra[e.idx] = e.reason
             continue
@@ -325,6 +337,27 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
         )
         return Captured(gm, plan, fakes + symints, real_mask, size_inputs, None, shape_env)
     raise RuntimeError("compiled_autograd: could not trace this backward")
+
+
+# NOTE [Recording a static trace] (capture/record.py); COMPILED_AUTOGRAD_RECORD=0 traces every
+# capture with make_fx
+RECORD = os.environ.get("COMPILED_AUTOGRAD_RECORD", "1") != "0"
+
+
+def _record(backward_graph, fakes):
+    """The static trace recorded, or None where the recorder leaves it to make_fx. A
+    NeedsOpaque that the recorder did not cause is the node's own: raised as make_fx's is."""
+    recorder = Recorder()
+    try:
+        return record(backward_graph, fakes, recorder)
+    except Exception as e:
+        if isinstance(e, NeedsOpaque) and recorder.failed is None:
+            raise
+        why = recorder.failed or f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    log.debug("capture traced with make_fx: %s", why)
+    with LOCK:
+        STATS.make_fx_traces += 1
+    return None
 
 
 # NOTE [A detach stays a gradient cut]

@@ -33,6 +33,8 @@ class Stats:
     child_compiles:  background compiles first done by a child process, whose result the
                      training process loaded from inductor's caches (NOTE [Compiling in a child
                      process] in compile/child.py)
+    make_fx_traces:  static captures traced with make_fx because the recorder did not take
+                     them (NOTE [Recording a static trace] in capture/record.py)
     layout_copies:   outputs of hooks, opaque nodes and unpack hooks copied into the layout
                      the graph was traced with (NOTE [Layouts of call outputs] in replay/calls.py)
     """
@@ -55,6 +57,7 @@ class Stats:
     compile_failures: int = 0
     child_compiles: int = 0
     layout_copies: int = 0
+    make_fx_traces: int = 0
 
     def snapshot(self) -> "Stats":
         return Stats(
@@ -76,6 +79,7 @@ class Stats:
             compile_failures=self.compile_failures,
             child_compiles=self.child_compiles,
             layout_copies=self.layout_copies,
+            make_fx_traces=self.make_fx_traces,
         )
 
     def __str__(self) -> str:
