@@ -146,12 +146,14 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
         if reason is not None:
             _mark_unsupported(key, reason)
     if reason is not None:
+        collected = None  # (eager frees the saved tensors as it goes: nothing of ours may hold them)
         capture.clear()
         pause.resume()
         return _fall_back(cfg, reason, eager)
     if fam is None and not create_graph:
         watch = learned.opaque_outputs_to_learn(cfg, key, collected)
         if watch:  # NOTE [Layouts of call outputs] (replay/calls.py)
+            collected = None
             capture.clear()
             pause.resume()
             return learned.learn_node_layouts(key, watch, eager)
@@ -303,6 +305,7 @@ class _OneBackward:
                     f"needs in the forward, or run this backward without compiled_autograd. ({e})"
                 ) from e
             raise e
+        self.lifted = self.collected = None  # (eager frees the saved tensors as it goes)
         capture.clear()
         pause.resume()
         if isinstance(e, Fallback):

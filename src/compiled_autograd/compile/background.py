@@ -38,7 +38,10 @@ log = logging.getLogger("compiled_autograd")
 # A backward of a graph whose compile is still running runs in eager autograd, not as the
 # traced graph (`stats().eager_while_compiling`; not a fallback): the engine's loop runs
 # without the GIL, where the traced graph, run as Python, needs it for every op against a
-# compile that holds it most of the time; and it is eager's result, bitwise. The compile
+# compile that holds it most of the time; and it is eager's result, bitwise. Nothing of the
+# walk may hold the saved tensors it lifted by then (GraphCapture.clear drops them): held,
+# the engine freed no activation as it went, and the transformer's steps while compiling
+# took 8-10% longer than eager's (its peak 1.46x eager's on tests/test_memory.py's MLP). The compile
 # thread runs at a lower CPU priority (COMPILE_NICENESS, its own niceness on Linux): on a
 # 2-core machine training's kernels take both cores, and a compile at equal priority took
 # a third of them (at niceness 5 the scheduler gives it about a seventh, at 10 a twentieth). Measured here (4-layer MLP D=1024, batch 64, 2 threads, the machine

@@ -487,9 +487,12 @@ class GraphCapture : public CollectedGraph {
     return applier_.will_execute(obj);
   }
 
-  // Drop every reference to the graph (nodes, lifted tensors).
+  // Drop every reference to the graph (nodes, lifted tensors): a backward that eager's
+  // engine runs after the walk frees each saved tensor when its node has run only if
+  // nothing here still holds it (NOTE [Steps while a graph compiles]).
   void clear() {
     clear_graph();
+    applier_.drop_lifted();
     tracer_.clear();
     saved_hooks_.clear();
   }
