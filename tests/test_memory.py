@@ -312,23 +312,31 @@ def test_a_backward_run_in_eager_after_the_walk_frees_saved_tensors_as_eager_doe
 
     model = _mlp512(nn.Tanh)
     params = list(model.parameters())
-    x = torch.randn(256, 512)
-    peaks = {}
+    xs = [torch.randn(256, 512) for _ in range(3)]
+    peaks, grads = {}, {}
+
+    def train_step(x, compiled):
+        for p in params:
+            p.grad = None
+        loss = model(x).pow(2).sum()
+        with ca.enable(slow_backend, background=True) if compiled else contextlib.nullcontext():
+            loss.backward()
+
     try:
-        with ca.enable(slow_backend, background=True):
-            model(x).pow(2).sum().backward()  # the capture: its compile waits
-        for compiled in (False, True):
-            for p in params:
-                p.grad = None
-
-            def train_step():
-                loss = model(x).pow(2).sum()
-                with ca.enable(slow_backend, background=True) if compiled else contextlib.nullcontext():
-                    loss.backward()
-
-            peaks[compiled] = _tensor_peak_mb(train_step)
-        assert ca.stats().eager_while_compiling == 1, ca.stats()
+        train_step(xs[0], True)  # the capture: its compile waits
+        for compiled in (False, True):  # a second input, run by eager's engine while it compiles
+            peaks[compiled] = _tensor_peak_mb(lambda: train_step(xs[1], compiled))
+            grads[compiled] = grads_of(params)
+        s = ca.stats()
+        assert (s.captures, s.eager_while_compiling, s.hits, s.eager_fallbacks) == (1, 1, 0, 0), s
     finally:
         release.set()
         ca.synchronize(60)
+    assert_grads_equal(grads[True], grads[False], exact=True, what="while compiling")
     assert peaks[True] <= 1.01 * peaks[False], peaks
+    for compiled in (False, True):  # a third input: the compiled entry, a hit
+        train_step(xs[2], compiled)
+        grads[compiled] = grads_of(params)
+    assert_grads_equal(grads[True], grads[False], exact=True, what="the hit")
+    s = ca.stats()
+    assert (s.captures, s.eager_while_compiling, s.hits, s.eager_fallbacks) == (1, 1, 1, 0), s

@@ -9,33 +9,32 @@ from compiled_autograd.capture import record, trace
 from helpers import leaf, parity
 
 
+def _net(net, *shape):
+    return list(net.parameters()), lambda x: net(x).pow(2).mean(), lambda step: (torch.randn(*shape),)
+
+
 def _mlp():
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
-    x = torch.randn(5, 8)
-    return lambda: net(x).pow(2).mean()
+    return _net(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)), 5, 8)
 
 
 def _conv():
-    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.MaxPool2d(2))
-    x = torch.randn(2, 3, 8, 8)
-    return lambda: net(x).sum()
+    return _net(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.MaxPool2d(2)), 2, 3, 8, 8)
 
 
 def _transformer():
-    net = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
-    x = torch.randn(2, 5, 16)
-    return lambda: net(x).pow(2).mean()
+    return _net(torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2, 5, 16)
 
 
 def _multi_output_and_hooks():
     w = leaf(6, 4)
 
-    def build():
-        a, b, c = w.split(2)  # a formula with several inputs' grads, a tensor hook (an opaque call)
+    def loss_of(x):
+        y = w * x
+        a, b, c = y.split(2)  # a formula with several inputs' grads, a tensor hook (an opaque call)
         a.register_hook(lambda g: g * 2)
-        return (a * b).sum() + torch.stack(w.unbind(1)).tanh().sum() + c.sum()
+        return (a * b).sum() + torch.stack(y.unbind(1)).tanh().sum() + c.sum()
 
-    return build
+    return [w], loss_of, lambda step: (torch.randn(6, 4),)
 
 
 class _Scaled(torch.autograd.Function):
@@ -52,8 +51,8 @@ class _Scaled(torch.autograd.Function):
 
 
 def _custom_function():
-    x = leaf(3, 4)
-    return lambda: _Scaled.apply(x, 1.5).exp().sum()
+    w = leaf(3, 4)
+    return [w], lambda x: _Scaled.apply(w * x, 1.5).exp().sum(), lambda step: (torch.randn(3, 4),)
 
 
 MODELS = {"mlp": _mlp, "conv": _conv, "transformer": _transformer, "multi_output_and_hooks": _multi_output_and_hooks,
@@ -69,11 +68,11 @@ def _structure(gm) -> list:
     return [(n.op, str(n.target) if n.op != "placeholder" else None, arg(n.args), arg(n.kwargs)) for n in nodes]
 
 
-def _captured_structure(build, monkeypatch, recording: bool):
+def _captured_structure(loss, monkeypatch, recording: bool):
     monkeypatch.setattr(trace, "RECORD", recording)
     ca.reset()
     with ca.enable("eager", fullgraph=True):
-        build().backward()
+        loss.backward()
     (entry,) = ca.graphs()
     return _structure(entry.graph), ca.stats()
 
@@ -81,12 +80,23 @@ def _captured_structure(build, monkeypatch, recording: bool):
 @pytest.mark.parametrize("name", MODELS)
 def test_recorded_graph_is_the_graph_make_fx_traces(name, monkeypatch):
     torch.manual_seed(0)
-    build = MODELS[name]()
-    recorded, stats = _captured_structure(build, monkeypatch, True)
+    _, loss_of, make_input = MODELS[name]()
+    x = make_input(0)
+    recorded, stats = _captured_structure(loss_of(*x), monkeypatch, True)
     assert stats.make_fx_traces == 0 and stats.captures == 1, stats
-    traced, stats = _captured_structure(build, monkeypatch, False)
+    traced, stats = _captured_structure(loss_of(*x), monkeypatch, False)
     assert stats.make_fx_traces == 0 and stats.captures == 1, stats
     assert recorded == traced
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("name", MODELS)
+def test_recorded_graph_is_bitwise_eager(name, backend):
+    """The recorded graph, captured on one input and hit with another: eager's grads, bitwise."""
+    torch.manual_seed(0)
+    leaves, loss_of, make_input = MODELS[name]()
+    parity(loss_of, leaves, make_input, backend=backend)  # (one capture, one hit, no fallback)
+    assert ca.stats().make_fx_traces == 0, ca.stats()
 
 
 def test_what_the_recorder_leaves_is_traced_by_make_fx():
