@@ -85,7 +85,7 @@ def test_inputs_travel_with_their_geometry_and_aliases():
     base = torch.randn(6, 4)
     values = [base, base[1:].t(), torch.zeros(3, dtype=torch.int64).requires_grad_(False), 7,
               torch.randn(2, requires_grad=True)]
-    back = child._rebuild(pickle.loads(pickle.dumps(child._describe(values))))
+    back = child.rebuild(pickle.loads(pickle.dumps(child.describe(values))))
     for v, b in zip(values, back):
         if isinstance(v, torch.Tensor):
             assert (b.shape, b.stride(), b.storage_offset(), b.dtype, b.requires_grad) == (

@@ -207,6 +207,7 @@ class _OneBackward:
         self.entry, self.extra = fam.lookup(collected.sizes, self.lifted) if fam is not None else (None, [])
         self.missed = self.entry is None
         self.released = False  # the saved tensors were handed to the graph (a boxed hit)
+        self.recorded = False  # the results are a live record's: the entry's function did not run
         self.observed: dict = {}  # NOTE [Layouts of call outputs] (replay/calls.py)
 
     def miss(self, pause):
@@ -222,22 +223,28 @@ class _OneBackward:
         pkey = diskcache.portable_key(key, collected.sizes) if cfg.disk_cache and mask is None and not self.create_graph else None
         record = diskcache.load(pkey) if pkey is not None else None
         if record is not None:
-            entry = entry_from_disk(cfg, collected, key, record, reason)
+            entry, first = entry_from_disk(cfg, collected, key, record, reason), None
             pkey = None  # already stored
         else:
             layouts = learned.layouts_of(key)
             try:
                 history = tuple(e.sizes for e in fam.entries()) if fam is not None else ()
-                entry = capture_and_compile(cfg, collected, key, mask, reason, history, self.create_graph, layouts)
+                entry, first = capture_and_compile(cfg, collected, key, mask, reason, history, self.create_graph, layouts)
             except Exception:
                 if mask is None or cfg.fullgraph:
                     raise
                 log.info("dynamic capture failed, capturing static shapes", exc_info=True)
-                entry = capture_and_compile(cfg, collected, key, None, reason + "; dynamic capture failed", layouts=layouts)
+                entry, first = capture_and_compile(cfg, collected, key, None, reason + "; dynamic capture failed", layouts=layouts)
         self.entry = entry
         try:
             self.extra = entry.dynamic.extra_args(collected.sizes) if entry.dynamic else []
-            results = run_graph(entry, self.capture, self.lifted, self.extra, collected.hooks, free_on_failure=not self.keep_graph, observed=self.observed)
+            if first is not None:
+                # NOTE [Recording on the real tensors] (capture/record.py): the record ran this
+                # backward; the entry's function has not run yet (its first run is checked)
+                results, self.recorded = first, True
+                del first
+            else:
+                results = run_graph(entry, self.capture, self.lifted, self.extra, collected.hooks, free_on_failure=not self.keep_graph, observed=self.observed)
         except BaseException:
             background.start_compile_of(entry, run=False)
             raise
@@ -326,7 +333,7 @@ class _OneBackward:
     def finish(self, results, accumulate_grad, allow_unused):
         """Apply the results with eager semantics, free the graph, return grad()'s results."""
         entry, capture = self.entry, self.capture
-        if not entry.checked:  # NOTE [A compiled graph's outputs are checked on its first run] (replay/validate.py)
+        if not entry.checked and not self.recorded:  # NOTE [A compiled graph's outputs are checked on its first run] (replay/validate.py)
             check_outputs(self.key, entry, capture, results, self.collected.sizes)
         if entry.plan.opaque:
             with LOCK:

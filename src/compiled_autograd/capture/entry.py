@@ -6,9 +6,11 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from ..cache.memory import CompiledBackward, Dynamic
 from ..compile.background import compile_in_background
-from ..compile import backends
+from ..compile import backends, child
 from ..compile.backends import may_steal
 from ..compile.boxed import static_fakes
 from ..config import Config
@@ -41,7 +43,9 @@ def create_graph_unsupported(collected) -> str | None:
     return None
 
 
-def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=(), create_graph=False, layouts=None) -> CompiledBackward:
+def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=(), create_graph=False, layouts=None):
+    """(the entry, this backward's results where the capture computed them and they serve,
+    else None: NOTE [Recording on the real tensors] in capture/record.py)."""
     t0 = time.perf_counter()
     try:
         captured = in_graph_task(lambda: capture_backward(collected, cfg.opaque, mask, history, create_graph, layouts))
@@ -109,13 +113,24 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
              background=background, create_graph=how, **_unpacked_up_front(collected))
     )
     log.info("captured %d nodes (%s): trace %.2fs, compile %.2fs", len(names), reason, t1 - t0, t2 - t1)
+    first, captured.results = captured.results, None
+    if first is not None:
+        with LOCK:
+            STATS.live_records += 1
+        if not background and cfg.backend != "eager":
+            # a backend's compiled function runs this backward, its outputs checked as on
+            # every compile's first run (NOTE [A compiled graph's outputs are checked on its
+            # first run]). The record's results serve while the graph compiles in the
+            # background, and for the eager backend, whose function is this graph.
+            first = None
     if background:
         # (the trace's own fakes: static ones for a static graph, in a mode with a ShapeEnv,
         # with no reference to the user's tensors; making them again took 70 ms of the
-        # transformer's first backward)
-        example = captured.example_inputs
+        # transformer's first backward. A live record made none: the compile's thread makes
+        # them from the lifted tensors' geometry, as the child process does)
+        example = captured.example_inputs if first is None else described_fakes(collected.lifted)
         compile_in_background(cfg, key, entry, example, what, logged, lambda: dynamic_of(captured, entry.sizes))
-    return entry
+    return entry, first
 
 
 def entry_from_disk(cfg: Config, collected, key, record, reason: str) -> CompiledBackward:
@@ -177,6 +192,15 @@ def _unpacked_up_front(collected) -> dict:
     if tensors:
         log.info("%d tensors (%.1f MB) unpacked by saved-tensor hooks when the backward started", len(tensors), nbytes / 2**20)
     return dict(unpacked=len(tensors), unpacked_mb=nbytes / 2**20, in_graph=len(collected.in_graph))
+
+
+def described_fakes(tensors):
+    """The static fakes of `tensors` for a background compile, or, where every one is a CPU
+    tensor, their geometry (child.Described), made into fakes in the compile's thread once the
+    child process is done with it (no reference to the user's tensors)."""
+    if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tensors):
+        return _static_fakes(tensors)
+    return child.Described(tensors)
 
 
 def _static_fakes(tensors):

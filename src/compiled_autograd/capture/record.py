@@ -19,7 +19,34 @@ higher-order operator, a tensor subclass -- raises `Unrecordable`, and the captu
 make_fx instead (counted in `stats().make_fx_traces`): this recorder takes the common case and
 leaves make_fx's to make_fx, so that it never records a graph make_fx would have recorded
 differently. A formula that raised because of it (the native helper turns that into a node
-that needs to run opaquely) is told apart by `failed`."""
+that needs to run opaquely) is told apart by `failed`.
+
+NOTE [Recording on the real tensors]
+A first capture of a static graph whose nodes are all built-in formulas (no hook, no custom
+Function, no opaque node, no saved-tensor hook, no create_graph) is recorded `live`: on the
+lifted tensors themselves, the ops running for real as the recorder records them. Its results
+are the first backward's gradients, so that backward runs no fakes (making them and running
+the formulas on them was most of a first backward's cost: 0.36 s of the transformer's 0.59 s)
+and no graph after its trace: it costs about what eager's does. The graph is the record of
+what ran, so its later runs compute what the first one did. What a live record refuses -- and
+it refuses before the op runs, so that a refused record leaves nothing changed and the
+capture traces on fakes as before (counted in `stats().live_refusals`):
+  - an op outside aten (our opaque call, a library's op), a tensor subclass, a non-strided
+    tensor;
+  - a number where the op takes a tensor: a wrapped number (`x * 2.0`'s saved 2.0, a lifted
+    tensor) reaches the recorder as a Python number, which would bake this backward's value
+    into the graph (a wrong gradient on the next hit: tests/test_cache.py);
+  - an op whose output's value or shape depends on its input's data (tags
+    data_dependent_output, dynamic_output_shape; a Python number out of a tensor), whose
+    value a trace on fakes could not know either: a graph recorded through one would bake
+    this backward's data in;
+  - a random op (tag nondeterministic_seeded): a record refused after it would have drawn
+    from the generator once more than eager;
+  - a write into the storage of a lifted tensor (a saved tensor, a grad given to backward):
+    the fake trace that follows a refusal would compute on what the write changed.
+Its nodes' `meta["val"]` are fakes of the same geometry, made without a converter (no
+reference to the real tensors, whose intermediates it holds only weakly: the formulas free
+them as eager does)."""
 
 from __future__ import annotations
 
@@ -29,6 +56,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 _PLAIN = (int, float, bool, str, complex, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 
@@ -37,12 +65,31 @@ class Unrecordable(Exception):
     """Something the recorder leaves to make_fx."""
 
 
+_LIVE_TYPES = (torch.Tensor, torch.nn.Parameter)
+_NUMBERS = (int, float, bool, complex)
+_REFUSED_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape, torch.Tag.nondeterministic_seeded)
+
+
+def _tensor_return(t) -> bool:
+    """Whether a schema return type is a tensor, an optional tensor or a list of tensors."""
+    if isinstance(t, torch.OptionalType):
+        t = t.getElementType()
+    if isinstance(t, torch.ListType):
+        t = t.getElementType()
+    return isinstance(t, torch.TensorType)
+
+
 class Recorder(TorchDispatchMode):
-    def __init__(self):
+    def __init__(self, live: bool = False):
         super().__init__()
         self.graph = torch.fx.Graph()
-        self.node_of: dict[int, torch.fx.Node] = {}  # id(fake) -> the node that made it
-        self.alive: list = []  # every fake bound, so that ids stay unique while recording
+        self.live = live  # NOTE [Recording on the real tensors]
+        # the node that made each tensor: by id, the fakes kept alive so that ids stay unique;
+        # live, by weak reference (the formulas free their intermediates)
+        self.node_of = WeakIdKeyDictionary() if live else {}
+        self.alive: list = []
+        self.storages: set = set()  # live: the data pointers of the inputs' storages
+        self.shadow_mode = None
         self.failed: str | None = None
 
     def _fail(self, why: str):
@@ -50,12 +97,31 @@ class Recorder(TorchDispatchMode):
         raise Unrecordable(why)
 
     def _bind(self, t: torch.Tensor, node: torch.fx.Node) -> None:
-        self.node_of[id(t)] = node
-        self.alive.append(t)
+        if self.live:
+            self.node_of[t] = node
+            node.meta["val"] = self._shadow(t)
+        else:
+            self.node_of[id(t)] = node
+            self.alive.append(t)
+            node.meta["val"] = t
+
+    def _shadow(self, t: torch.Tensor):
+        """A fake of `t`'s geometry, for `meta["val"]` of a live record."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        if self.shadow_mode is None:
+            self.shadow_mode = FakeTensorMode()
+        meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        return FakeTensor(self.shadow_mode, meta, t.device)
 
     def _arg(self, a):
         if isinstance(a, torch.Tensor):
-            node = self.node_of.get(id(a))
+            if self.live:
+                if type(a) not in _LIVE_TYPES or a.layout != torch.strided:
+                    self._fail(f"a {type(a).__name__} of layout {a.layout}")
+                node = self.node_of.get(a)
+            else:
+                node = self.node_of.get(id(a))
             if node is None:
                 self._fail(f"a tensor the trace did not make ({type(a).__name__})")
             return node
@@ -73,25 +139,54 @@ class Recorder(TorchDispatchMode):
             raise Unrecordable(self.failed)
         if not isinstance(func, torch._ops.OpOverload):
             self._fail(f"{func} is not an aten-style operator")
-        if not all(issubclass(t, FakeTensor) for t in types):
+        if self.live:
+            self._check_live(func, args, kwargs)
+        elif not all(issubclass(t, FakeTensor) for t in types):
             self._fail(f"{func} on a tensor subclass")
         node_args, node_kwargs = self._arg(args), {k: self._arg(v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
         node = self.graph.create_node("call_function", func, node_args, node_kwargs, name=func.overloadpacket.__name__)
-        node.meta["val"] = out
         if isinstance(out, torch.Tensor):
             self._bind(out, node)
         elif isinstance(out, (tuple, list)):
             for i, o in enumerate(out):
                 if isinstance(o, torch.Tensor):
                     item = self.graph.create_node("call_function", operator.getitem, (node, i), {}, name="getitem")
-                    item.meta["val"] = o
                     self._bind(o, item)
                 elif not isinstance(o, _PLAIN):
                     self._fail(f"{func} returned a {type(o).__name__}")
+            if self.live:
+                vals = {u.args[1]: u.meta["val"] for u in node.users}
+                node.meta["val"] = [vals.get(i) for i in range(len(out))]
         elif not isinstance(out, _PLAIN):
             self._fail(f"{func} returned a {type(out).__name__}")
+        if not self.live:
+            node.meta["val"] = out
         return out
+
+    def _check_live(self, func, args, kwargs) -> None:
+        """Refuse, before it runs, an op a live record must not run (NOTE [Recording on the
+        real tensors])."""
+        if func.namespace != "aten":
+            self._fail(f"{func}: not an aten op")
+        tags = func.tags
+        for tag in _REFUSED_TAGS:
+            if tag in tags:
+                self._fail(f"{func}: {tag.name}")
+        schema = func._schema
+        if not all(_tensor_return(r.type) for r in schema.returns):
+            self._fail(f"{func} returns a value that is not a tensor")
+        for a, v in zip(schema.arguments, args):
+            if isinstance(v, _NUMBERS) and _tensor_return(a.type):
+                self._fail(f"{func}: a number where it takes a tensor (a wrapped number)")
+        if schema.is_mutable:
+            for i, a in enumerate(schema.arguments):
+                if a.alias_info is None or not a.alias_info.is_write:
+                    continue
+                v = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
+                for t in v if isinstance(v, (list, tuple)) else (v,):
+                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.storages:
+                        self._fail(f"{func} writes into a lifted tensor")
 
 
 def record(fn: Callable[..., Sequence[Any]], fakes: Sequence[torch.Tensor], recorder: Recorder) -> torch.fx.GraphModule:
@@ -101,12 +196,15 @@ def record(fn: Callable[..., Sequence[Any]], fakes: Sequence[torch.Tensor], reco
 
     graph = recorder.graph
     for i, f in enumerate(fakes):
-        if not isinstance(f, FakeTensor):
+        if recorder.live:
+            if type(f) not in _LIVE_TYPES or f.layout != torch.strided:
+                recorder._fail(f"input {i} is a {type(f).__name__} of layout {f.layout}")
+            recorder.storages.add(f.untyped_storage().data_ptr())
+        elif not isinstance(f, FakeTensor):
             recorder._fail(f"input {i} is a {type(f).__name__}")
-        node = graph.placeholder(f"arg{i}_1")
-        node.meta["val"] = f
-        recorder._bind(f, node)
+        recorder._bind(f, graph.placeholder(f"arg{i}_1"))
     with enable_python_dispatcher(), recorder:
         results = fn(*fakes)
     graph.output([recorder._arg(r) for r in results])
+    graph.eliminate_dead_code()  # (before the module generates its code, which it does once)
     return torch.fx.GraphModule(torch.nn.Module(), graph)

@@ -264,7 +264,10 @@ class Captured:
     mask: tuple | None  # per size position: symbolic? (None: static graph)
     size_inputs: tuple  # size-input positions that are graph inputs
     guard_source: str | None
-    shape_env: ShapeEnv
+    shape_env: ShapeEnv | None
+    # a live record (NOTE [Recording on the real tensors]): the graph's results as the record
+    # computed them (this backward's; the caller takes them), and no fakes
+    results: list | None = None
 
 
 def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, history=(), create_graph=False, layouts=None) -> Captured:
@@ -276,7 +279,13 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
         i: "marked opaque" for i, n in enumerate(collected.nodes) if n.name in opaque_names and n.kind != ACCUMULATE_KIND
     }
     recording = RECORD
+    live = recording and LIVE and mask is None and not create_graph and not opaque_extra and _all_built_in(collected)
     for _ in range(MAX_OPAQUE_RETRIES):
+        if live:  # NOTE [Recording on the real tensors] (capture/record.py)
+            live = False
+            captured = _record_live(collected, opaque_extra, layouts)
+            if captured is not None:
+                return captured
         mode, shape_env, fakes, symints, size_inputs, real_mask = fake_inputs(collected, mask, history)
         tracer = _BackwardTracer(collected, opaque_extra, size_inputs, layouts)
         out: dict[str, Any] = {}
@@ -310,38 +319,84 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
             error = once_differentiable(tracer.results, fakes)
             if error is not None:
                 raise NotTwiceDifferentiable(error)
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-        opaque_nodes = tuple(
-            (i, tracer.nodes[i].name, opaque.reason(tracer, i))
-            for i in range(len(tracer.nodes))
-            if tracer.nodes[i].execute and opaque.is_opaque(tracer, i)
-        )
-        slots, watch = _order_reads_before_calls(
-            gm,
-            _mark_shared_args(gm, _mark_fresh_grads(gm, tracer.slots)),
-            _version_checked(collected),
-            _passable(collected),
-            collected.arriving,
-        )
-        plan = Plan(
-            slots=slots,
-            watch=watch,
-            ctx_checks=tuple((slot, tuple(idxs)) for slot, idxs in tracer.ctx_checks.items()),
-            accumulate=tuple(tracer.accumulate),
-            captured=tuple(out["captured"]),
-            opaque=opaque_nodes,
-            num_results=len(tracer.results),
-            differentiable=differentiable,
-            releases=_releases(tracer.slots, tracer.nodes),
-        )
+        plan = _plan(gm, tracer, collected, out["captured"], differentiable, len(tracer.results))
         return Captured(gm, plan, fakes + symints, real_mask, size_inputs, None, shape_env)
     raise RuntimeError("compiled_autograd: could not trace this backward")
 
 
+def _plan(gm, tracer, collected, captured, differentiable, num_results) -> Plan:
+    """The traced graph cleaned up and ordered for its calls, and its Plan."""
+    if gm.graph.eliminate_dead_code():
+        gm.recompile()
+    opaque_nodes = tuple(
+        (i, tracer.nodes[i].name, opaque.reason(tracer, i))
+        for i in range(len(tracer.nodes))
+        if tracer.nodes[i].execute and opaque.is_opaque(tracer, i)
+    )
+    slots, watch = _order_reads_before_calls(
+        gm,
+        _mark_shared_args(gm, _mark_fresh_grads(gm, tracer.slots)),
+        _version_checked(collected),
+        _passable(collected),
+        collected.arriving,
+    )
+    return Plan(
+        slots=slots,
+        watch=watch,
+        ctx_checks=tuple((slot, tuple(idxs)) for slot, idxs in tracer.ctx_checks.items()),
+        accumulate=tuple(tracer.accumulate),
+        captured=tuple(captured),
+        opaque=opaque_nodes,
+        num_results=num_results,
+        differentiable=differentiable,
+        releases=_releases(tracer.slots, tracer.nodes),
+    )
+
+
 # NOTE [Recording a static trace] (capture/record.py); COMPILED_AUTOGRAD_RECORD=0 traces every
-# capture with make_fx
+# capture with make_fx; COMPILED_AUTOGRAD_RECORD_LIVE=0 records every static capture on fakes
+# (NOTE [Recording on the real tensors])
 RECORD = os.environ.get("COMPILED_AUTOGRAD_RECORD", "1") != "0"
+LIVE = os.environ.get("COMPILED_AUTOGRAD_RECORD_LIVE", "1") != "0"
+
+
+def _all_built_in(collected) -> bool:
+    """Whether a live record may take this backward: built-in formulas and AccumulateGrad
+    only, no hook of any kind, nothing opaque (NOTE [Recording on the real tensors])."""
+    if collected.unpacked or collected.in_graph or collected.pynodes or collected.grad_on_ctx or collected.n_aot:
+        return False
+    return all(n.kind in (NodeKind.GENERIC, ACCUMULATE_KIND) and not n.opaque and not n.hooks.any for n in collected.nodes)
+
+
+def _record_live(collected, opaque_extra, layouts) -> Captured | None:
+    """The backward recorded on its real tensors, its results computed; None where the
+    recorder refused (nothing of the backward changed: the caller traces on fakes)."""
+    tracer = _BackwardTracer(collected, dict(opaque_extra), (), layouts)
+    recorder = Recorder(live=True)
+    out: dict[str, Any] = {}
+
+    def backward_graph(*args):
+        results, out["captured"] = tracer.run(args)
+        return results
+
+    grad_mode, collected.capture.grad_mode = collected.capture.grad_mode, False
+    try:
+        with torch.no_grad():
+            gm = record(backward_graph, list(collected.lifted), recorder)
+        if tracer.opaque_extra or tracer.slots:  # (not expected: a node made opaque, a call)
+            recorder._fail("an opaque node")
+    except Exception as e:
+        why = recorder.failed or f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        log.debug("capture not recorded on the real tensors: %s", why)
+        with LOCK:
+            STATS.live_refusals += 1
+        return None
+    finally:
+        collected.capture.grad_mode = grad_mode
+    results = tracer.results
+    tracer.results = tracer.unconsumed = tracer.node_inputs = None  # (the caller holds the only references)
+    plan = _plan(gm, tracer, collected, out["captured"], None, len(results))
+    return Captured(gm, plan, [], None, (), None, None, results=results)
 
 
 def _record(backward_graph, fakes):

@@ -89,7 +89,8 @@ def start_compile_of(entry: CompiledBackward, run: bool = True) -> None:
 
 
 def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, what: str, logged: dict, redo_dynamic=None) -> None:
-    # `example`: fake tensors only; the thread must not keep the user's tensors alive;
+    # `example`: fake tensors only, or a child.Described that makes them in the thread; the thread
+    # must not keep the user's tensors alive;
     # `redo_dynamic`: a dynamic graph's sizes and guards, recomputed after the compile (it may add guards)
     is_dynamic = entry.dynamic is not None
     graph = entry.graph
@@ -107,7 +108,8 @@ def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, wh
                         in_child = child.compile_in_child(graph, example, cfg.inductor_patches)
                         with LOCK:
                             STATS.child_compiles += int(in_child)
-                    fn = backends.compile_graph(cfg.backend, graph, example, dynamic=is_dynamic, patches=cfg.inductor_patches)
+                    inputs = example() if callable(example) else example
+                    fn = backends.compile_graph(cfg.backend, graph, inputs, dynamic=is_dynamic, patches=cfg.inductor_patches)
             finally:
                 with LOCK:
                     _compiling.discard(me)

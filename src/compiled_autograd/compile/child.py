@@ -74,7 +74,7 @@ def applies(backend, dynamic: bool) -> bool:
     return bool(getattr(functorch_config, "enable_autograd_cache", True))
 
 
-def _describe(values) -> list:
+def describe(values) -> list:
     """The example inputs as the child rebuilds them: each tensor's geometry and which storage
     it shares with the others (an alias is an alias in the child too), the rest as is."""
     storages: dict = {}
@@ -102,7 +102,21 @@ def _describe(values) -> list:
     return out
 
 
-def _rebuild(described) -> list:
+class Described:
+    """Tensors by their geometry (`describe`), without a reference to them: what the child gets
+    as it is, and static fakes when called (made as the child makes them, so that the
+    in-process compile after the child's finds its result in the caches)."""
+
+    def __init__(self, tensors):
+        self.described = describe(tensors)
+
+    def __call__(self) -> list:
+        from .boxed import static_fakes
+
+        return static_fakes(rebuild(self.described))[1]
+
+
+def rebuild(described) -> list:
     storages: dict = {}
     values = []
     for d in described:
@@ -212,7 +226,7 @@ def compile_in_child(gm: torch.fx.GraphModule, example_inputs, patches: dict | N
         payload = pickle.dumps(
             {
                 "graph": _encode_graph(gm),
-                "inputs": _describe(example_inputs),
+                "inputs": example_inputs.described if isinstance(example_inputs, Described) else describe(example_inputs),
                 "patches": patches or {},
                 "configs": _configs(),
                 "threads": torch.get_num_threads(),  # (inductor's key has the thread count)
@@ -310,7 +324,7 @@ def main(argv=None) -> int:
     from .torch_patches import compile_lock
 
     gm = _decode_graph(payload["graph"])
-    _, fakes = static_fakes(_rebuild(payload["inputs"]))
+    _, fakes = static_fakes(rebuild(payload["inputs"]))
     with compile_lock, torch.no_grad():
         compile_inductor(gm, fakes, False, payload["patches"])
     return 0

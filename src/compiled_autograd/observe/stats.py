@@ -35,6 +35,9 @@ class Stats:
                      process] in compile/child.py)
     make_fx_traces:  static captures traced with make_fx because the recorder did not take
                      them (NOTE [Recording a static trace] in capture/record.py)
+    live_records:    captures recorded on the real tensors, their results the first backward's
+                     (NOTE [Recording on the real tensors] in capture/record.py)
+    live_refusals:   captures a live record refused, traced on fakes instead
     layout_copies:   outputs of hooks, opaque nodes and unpack hooks copied into the layout
                      the graph was traced with (NOTE [Layouts of call outputs] in replay/calls.py)
     """
@@ -58,6 +61,8 @@ class Stats:
     child_compiles: int = 0
     layout_copies: int = 0
     make_fx_traces: int = 0
+    live_records: int = 0
+    live_refusals: int = 0
 
     def snapshot(self) -> "Stats":
         return Stats(
@@ -80,6 +85,8 @@ class Stats:
             child_compiles=self.child_compiles,
             layout_copies=self.layout_copies,
             make_fx_traces=self.make_fx_traces,
+            live_records=self.live_records,
+            live_refusals=self.live_refusals,
         )
 
     def __str__(self) -> str:
