@@ -176,8 +176,9 @@ class Recorder(TorchDispatchMode):
         schema = func._schema
         if not all(_tensor_return(r.type) for r in schema.returns):
             self._fail(f"{func} returns a value that is not a tensor")
-        for a, v in zip(schema.arguments, args):
-            if isinstance(v, _NUMBERS) and _tensor_return(a.type):
+        for i, a in enumerate(schema.arguments):
+            v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+            if _tensor_return(a.type) and any(isinstance(x, _NUMBERS) for x in (v if isinstance(v, (list, tuple)) else (v,))):
                 self._fail(f"{func}: a number where it takes a tensor (a wrapped number)")
         if schema.is_mutable:
             for i, a in enumerate(schema.arguments):
