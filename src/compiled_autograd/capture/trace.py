@@ -362,8 +362,9 @@ LIVE = os.environ.get("COMPILED_AUTOGRAD_RECORD_LIVE", "1") != "0"
 
 def _all_built_in(collected) -> bool:
     """Whether a live record may take this backward: built-in formulas and AccumulateGrad
-    only, no hook of any kind, nothing opaque (NOTE [Recording on the real tensors])."""
-    if collected.unpacked or collected.in_graph or collected.pynodes or collected.grad_on_ctx or collected.n_aot:
+    only, no hook of any kind, nothing opaque, no tensor whose data a hook brings (NOTE
+    [Recording on the real tensors])."""
+    if collected.unpacked or collected.in_graph or collected.pynodes or collected.grad_on_ctx or collected.n_aot or collected.arriving:
         return False
     return all(n.kind in (NodeKind.GENERIC, ACCUMULATE_KIND) and not n.opaque and not n.hooks.any for n in collected.nodes)
 
