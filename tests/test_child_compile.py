@@ -85,15 +85,29 @@ def test_inputs_travel_with_their_geometry_and_aliases():
     base = torch.randn(6, 4)
     values = [base, base[1:].t(), torch.zeros(3, dtype=torch.int64).requires_grad_(False), 7,
               torch.randn(2, requires_grad=True)]
-    back = child.rebuild(pickle.loads(pickle.dumps(child.describe(values))))
+    back = child.fakes_of(pickle.loads(pickle.dumps(child.describe(values))))
     for v, b in zip(values, back):
         if isinstance(v, torch.Tensor):
-            assert (b.shape, b.stride(), b.storage_offset(), b.dtype, b.requires_grad) == (
-                v.shape, v.stride(), v.storage_offset(), v.dtype, v.requires_grad)
+            assert (b.shape, b.stride(), b.storage_offset(), b.dtype, b.requires_grad, b.device) == (
+                v.shape, v.stride(), v.storage_offset(), v.dtype, v.requires_grad, v.device)
+            assert b.untyped_storage().nbytes() == v.untyped_storage().nbytes()
         else:
             assert b == v
-    assert back[0].untyped_storage().data_ptr() == back[1].untyped_storage().data_ptr()
-    assert back[0].untyped_storage().data_ptr() != back[4].untyped_storage().data_ptr()
+    storage = lambda t: t.untyped_storage()._cdata  # noqa: E731
+    assert storage(back[0]) == storage(back[1]) != storage(back[4])
+    modes = {b.fake_mode for b in back if isinstance(b, torch.Tensor)}
+    assert len(modes) == 1 and modes.pop().shape_env is not None
+
+
+def test_inputs_keep_their_device():
+    """A CUDA tensor's fake is a CUDA fake (no device memory taken: its storage is meta): the
+    child compiles the graph the training process will, under the same cache key."""
+    described = [("tensor", (4, 3), (3, 1), 0, torch.float32, "cuda:0", True, 0, 48),
+                 ("tensor", (3, 4), (1, 3), 0, torch.float32, "cuda:0", False, 0, 48)]
+    a, b = child.fakes_of(described)
+    assert a.device == b.device == torch.device("cuda:0")
+    assert a.requires_grad and not b.requires_grad and b.stride() == (1, 3)
+    assert a.untyped_storage()._cdata == b.untyped_storage()._cdata
 
 
 def test_applies_only_to_static_inductor_graphs(monkeypatch):
@@ -110,7 +124,13 @@ def test_applies_only_to_static_inductor_graphs(monkeypatch):
 
 
 @pytest.mark.inductor
-def test_child_compiles_and_the_training_process_loads_from_the_caches(fresh_inductor_cache):
+@pytest.mark.parametrize("live", [True, False], ids=["live_record", "fake_trace"])
+def test_child_compiles_and_the_training_process_loads_from_the_caches(fresh_inductor_cache, live, monkeypatch):
+    """The child's fakes (child.fakes_of) give the cache keys of the training process's: its
+    fakes from the same description after a live record, the trace's own fakes otherwise."""
+    from compiled_autograd.capture import trace
+
+    monkeypatch.setattr(trace, "LIVE", live)
     counters = fresh_inductor_cache
     net, x = _model(), torch.randn(4, 16)
     ref = _step(net, x)  # eager
@@ -119,7 +139,7 @@ def test_child_compiles_and_the_training_process_loads_from_the_caches(fresh_ind
         while_compiling = _step(net, x) if ca.stats().compiles_pending else None
     assert ca.synchronize(600)
     s = ca.stats()
-    assert (s.child_compiles, s.compile_failures) == (1, 0), s
+    assert (s.child_compiles, s.compile_failures, s.live_records) == (1, 0, int(live)), s
     # the child's compile filled both caches: the training process loaded it
     assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
     assert counters["inductor"]["fxgraph_cache_hit"] == 1, dict(counters["inductor"])

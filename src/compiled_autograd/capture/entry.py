@@ -6,8 +6,6 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
-
 from ..cache.memory import CompiledBackward, Dynamic
 from ..compile.background import compile_in_background
 from ..compile import backends, child
@@ -195,11 +193,8 @@ def _unpacked_up_front(collected) -> dict:
 
 
 def described_fakes(tensors):
-    """The static fakes of `tensors` for a background compile, or, where every one is a CPU
-    tensor, their geometry (child.Described), made into fakes in the compile's thread once the
-    child process is done with it (no reference to the user's tensors)."""
-    if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tensors):
-        return _static_fakes(tensors)
+    """The lifted tensors' geometry (child.Described), made into static fakes in the compile's
+    thread once the child process is done with it (no reference to the user's tensors)."""
     return child.Described(tensors)
 
 

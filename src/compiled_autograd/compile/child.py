@@ -111,12 +111,19 @@ class Described:
         self.described = describe(tensors)
 
     def __call__(self) -> list:
-        from .boxed import static_fakes
-
-        return static_fakes(rebuild(self.described))[1]
+        return fakes_of(self.described)
 
 
-def rebuild(described) -> list:
+def fakes_of(described) -> list:
+    """Static fakes of the described tensors, in a mode with a ShapeEnv (as `static_fakes`
+    makes them): each on its device, sharing a storage where the tensors did, and taking no
+    memory on any device. (They were once rebuilt as real CPU tensors and fakeified: the fake
+    of a CUDA tensor was then a CPU one, so the child compiled a CPU graph, under another cache
+    key, and the training process compiled the CUDA graph again itself, holding the GIL.)"""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
     storages: dict = {}
     values = []
     for d in described:
@@ -126,9 +133,10 @@ def rebuild(described) -> list:
         _, shape, stride, offset, dtype, device, requires_grad, index, nbytes = d
         st = storages.get(index)
         if st is None:
-            st = storages[index] = torch.UntypedStorage(max(nbytes, 1), device="meta" if device == "meta" else "cpu")
-        t = torch.empty(0, dtype=dtype).set_(st, offset, shape, stride)
-        values.append(t.requires_grad_(requires_grad) if requires_grad else t)
+            st = storages[index] = torch.UntypedStorage(max(nbytes, 1), device="meta")
+        meta = torch.empty(0, dtype=dtype, device="meta").set_(st, offset, shape, stride)
+        f = FakeTensor(mode, meta, torch.device(device))
+        values.append(f.requires_grad_(True) if requires_grad else f)
     return values
 
 
@@ -319,12 +327,11 @@ def main(argv=None) -> int:
             importlib.import_module(name).load_config(saved)
         except Exception:  # pragma: no cover - then the keys may differ: the parent compiles in full
             pass
-    from .boxed import static_fakes
     from .inductor import compile_inductor
     from .torch_patches import compile_lock
 
     gm = _decode_graph(payload["graph"])
-    _, fakes = static_fakes(rebuild(payload["inputs"]))
+    fakes = fakes_of(payload["inputs"])
     with compile_lock, torch.no_grad():
         compile_inductor(gm, fakes, False, payload["patches"])
     return 0
