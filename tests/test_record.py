@@ -253,3 +253,17 @@ def test_a_live_record_records_what_ran():
             v = n.meta["val"]
             assert isinstance(v, FakeTensor) and v.device == x.device, n
     assert len(recorder.node_of) <= 3  # (intermediates are held weakly: the inputs, the results)
+
+
+def test_explain_says_how_each_graph_was_traced():
+    """explain(): a live record, and a refused one with the refusal's reason."""
+    torch.manual_seed(0)
+    leaves, loss_of, make_input = MODELS["mlp"]()
+    parity(loss_of, leaves, make_input)
+    text = str(ca.explain(file=None))
+    assert "traced: recorded on the real tensors (its grads were this backward's)" in text, text
+    ca.reset()
+    x = leaf(3, 4)
+    parity(lambda s: (x * s).pow(2).sum(), [x], lambda step: (2.0 + step,))
+    text = str(ca.explain(file=None))
+    assert "traced: recorded on fakes; the live record refused: aten.mul.Tensor: a number where it takes a tensor" in text, text

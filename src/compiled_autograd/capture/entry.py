@@ -104,13 +104,6 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
         STATS.dynamic_captures += is_dynamic
         STATS.trace_seconds += t1 - t0
         STATS.compile_seconds += t2 - t1
-    logged = log_capture(
-        dict(reason=reason, nodes=len(names), backend=cfg.backend_label, opaque=[o[1:] for o in captured.plan.opaque],
-             trace_seconds=t1 - t0, compile_seconds=t2 - t1, inputs=len(collected.lifted),
-             dynamic=describe_dynamic(collected, entry.dynamic), guards=entry.dynamic.guard_source if entry.dynamic else None,
-             background=background, create_graph=how, **_unpacked_up_front(collected))
-    )
-    log.info("captured %d nodes (%s): trace %.2fs, compile %.2fs", len(names), reason, t1 - t0, t2 - t1)
     first, captured.results = captured.results, None
     if first is not None:
         with LOCK:
@@ -121,12 +114,20 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
             # first run]). The record's results serve while the graph compiles in the
             # background, and for the eager backend, whose function is this graph.
             first = None
+    logged = log_capture(
+        dict(reason=reason, nodes=len(names), backend=cfg.backend_label, opaque=[o[1:] for o in captured.plan.opaque],
+             trace_seconds=t1 - t0, compile_seconds=t2 - t1, inputs=len(collected.lifted),
+             dynamic=describe_dynamic(collected, entry.dynamic), guards=entry.dynamic.guard_source if entry.dynamic else None,
+             background=background, create_graph=how, traced=captured.how + (" (its grads were this backward's)" if first is not None else ""),
+             **_unpacked_up_front(collected))
+    )
+    log.info("captured %d nodes (%s): trace %.2fs, compile %.2fs", len(names), reason, t1 - t0, t2 - t1)
     if background:
         # (the trace's own fakes: static ones for a static graph, in a mode with a ShapeEnv,
         # with no reference to the user's tensors; making them again took 70 ms of the
         # transformer's first backward. A live record made none: the compile's thread makes
         # them from the lifted tensors' geometry, as the child process does)
-        example = captured.example_inputs if first is None else described_fakes(collected.lifted)
+        example = described_fakes(collected.lifted) if first is not None else captured.example_inputs
         compile_in_background(cfg, key, entry, example, what, logged, lambda: dynamic_of(captured, entry.sizes))
     return entry, first
 

@@ -268,6 +268,7 @@ class Captured:
     # a live record (NOTE [Recording on the real tensors]): the graph's results as the record
     # computed them (this backward's; the caller takes them), and no fakes
     results: list | None = None
+    how: str = ""  # how the graph was traced, and why not the cheaper way (explain())
 
 
 def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, history=(), create_graph=False, layouts=None) -> Captured:
@@ -280,10 +281,11 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
     }
     recording = RECORD
     live = recording and LIVE and mask is None and not create_graph and not opaque_extra and _all_built_in(collected)
+    refused: list = []  # why a cheaper way was left: the live record's, the fake record's
     for _ in range(MAX_OPAQUE_RETRIES):
         if live:  # NOTE [Recording on the real tensors] (capture/record.py)
             live = False
-            captured = _record_live(collected, opaque_extra, layouts)
+            captured = _record_live(collected, opaque_extra, layouts, refused)
             if captured is not None:
                 return captured
         mode, shape_env, fakes, symints, size_inputs, real_mask = fake_inputs(collected, mask, history)
@@ -299,7 +301,7 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
         try:
             with torch.set_grad_enabled(create_graph), mode, _quiet_fake_tensor_errors():
                 if recording and not symints and not create_graph:
-                    gm = _record(backward_graph, fakes)
+                    gm = _record(backward_graph, fakes, refused)
                     if gm is None:  # traced again with make_fx, on new fakes
                         recording = False
                         continue
@@ -320,7 +322,8 @@ def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, 
             if error is not None:
                 raise NotTwiceDifferentiable(error)
         plan = _plan(gm, tracer, collected, out["captured"], differentiable, len(tracer.results))
-        return Captured(gm, plan, fakes + symints, real_mask, size_inputs, None, shape_env)
+        how = "recorded on fakes" if recording and not symints and not create_graph else "traced with make_fx"
+        return Captured(gm, plan, fakes + symints, real_mask, size_inputs, None, shape_env, how="; ".join([how, *refused]))
     raise RuntimeError("compiled_autograd: could not trace this backward")
 
 
@@ -369,7 +372,7 @@ def _all_built_in(collected) -> bool:
     return all(n.kind in (NodeKind.GENERIC, ACCUMULATE_KIND) and not n.opaque and not n.hooks.any for n in collected.nodes)
 
 
-def _record_live(collected, opaque_extra, layouts) -> Captured | None:
+def _record_live(collected, opaque_extra, layouts, refused: list) -> Captured | None:
     """The backward recorded on its real tensors, its results computed; None where the
     recorder refused (nothing of the backward changed: the caller traces on fakes)."""
     tracer = _BackwardTracer(collected, dict(opaque_extra), (), layouts)
@@ -389,6 +392,7 @@ def _record_live(collected, opaque_extra, layouts) -> Captured | None:
     except Exception as e:
         why = recorder.failed or f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         log.debug("capture not recorded on the real tensors: %s", why)
+        refused.append(f"the live record refused: {why}")
         with LOCK:
             STATS.live_refusals += 1
         return None
@@ -397,10 +401,10 @@ def _record_live(collected, opaque_extra, layouts) -> Captured | None:
     results = tracer.results
     tracer.results = tracer.unconsumed = tracer.node_inputs = None  # (the caller holds the only references)
     plan = _plan(gm, tracer, collected, out["captured"], None, len(results))
-    return Captured(gm, plan, [], None, (), None, None, results=results)
+    return Captured(gm, plan, [], None, (), None, None, results=results, how="recorded on the real tensors")
 
 
-def _record(backward_graph, fakes):
+def _record(backward_graph, fakes, refused: list):
     """The static trace recorded, or None where the recorder leaves it to make_fx. A
     NeedsOpaque that the recorder did not cause is the node's own: raised as make_fx's is."""
     recorder = Recorder()
@@ -411,6 +415,7 @@ def _record(backward_graph, fakes):
             raise
         why = recorder.failed or f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     log.debug("capture traced with make_fx: %s", why)
+    refused.append(f"the record on fakes refused: {why}")
     with LOCK:
         STATS.make_fx_traces += 1
     return None

@@ -37,6 +37,8 @@ def _report() -> str:
             f"  capture {i}: {c['nodes']} nodes, {c['inputs']} inputs, backend {c['backend']}: {c['reason']} "
             f"(trace {c['trace_seconds']:.2f}s, compile {c['compile_seconds']:.2f}s)"
         )
+        if c.get("traced"):
+            lines.append(f"    traced: {c['traced']}")
         for name, why in c.get("opaque", ()):
             lines.append(f"    opaque: {name}: {why}")
         if c.get("in_graph"):
