@@ -45,8 +45,14 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
     """(the entry, this backward's results where the capture computed them and they serve,
     else None: NOTE [Recording on the real tensors] in capture/record.py)."""
     t0 = time.perf_counter()
+    background = cfg.background_compile and not cfg.fullgraph
+    # a live record's results serve as this backward's while the graph compiles in the
+    # background, and for the eager backend, whose function is the graph; a backend compiling
+    # now runs this backward itself, its outputs checked as on every compile's first run (NOTE
+    # [A compiled graph's outputs are checked on its first run]): no ops to run for real then
+    live = background or cfg.backend == "eager"
     try:
-        captured = in_graph_task(lambda: capture_backward(collected, cfg.opaque, mask, history, create_graph, layouts))
+        captured = in_graph_task(lambda: capture_backward(collected, cfg.opaque, mask, history, create_graph, layouts, live))
     except NotTwiceDifferentiable as e:
         raise Fallback(f"create_graph=True through a node eager cannot differentiate twice ({e})") from e
     if create_graph and captured.plan.slots:
@@ -71,7 +77,6 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
     what = f"compiling a {'dynamic ' if is_dynamic else ''}backward graph of {len(names)} nodes with {cfg.backend_name}"
     # (read before the backend sees the graph: it may rewrite it)
     expected = expected_outputs(captured.graph, *((collected, captured.size_inputs) if is_dynamic else ()))
-    background = cfg.background_compile and not cfg.fullgraph
     if background:
         fn = captured.graph  # replay the traced graph as is until the compiled one is ready
     else:
@@ -108,12 +113,6 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
     if first is not None:
         with LOCK:
             STATS.live_records += 1
-        if not background and cfg.backend != "eager":
-            # a backend's compiled function runs this backward, its outputs checked as on
-            # every compile's first run (NOTE [A compiled graph's outputs are checked on its
-            # first run]). The record's results serve while the graph compiles in the
-            # background, and for the eager backend, whose function is this graph.
-            first = None
     logged = log_capture(
         dict(reason=reason, nodes=len(names), backend=cfg.backend_label, opaque=[o[1:] for o in captured.plan.opaque],
              trace_seconds=t1 - t0, compile_seconds=t2 - t1, inputs=len(collected.lifted),

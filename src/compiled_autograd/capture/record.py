@@ -27,8 +27,12 @@ Function, no opaque node, no saved-tensor hook, no create_graph) is recorded `li
 lifted tensors themselves, the ops running for real as the recorder records them. Its results
 are the first backward's gradients, so that backward runs no fakes (making them and running
 the formulas on them was most of a first backward's cost: 0.36 s of the transformer's 0.59 s)
-and no graph after its trace: it costs about what eager's does. The graph is the record of
-what ran, so its later runs compute what the first one did. What a live record refuses -- and
+and no graph after its trace: it costs about what eager's does. That is where the graph is what
+would run next anyway: while it compiles in the background, and with the eager backend, whose
+function is the graph. A backend compiling the graph at once runs that backward itself (its
+outputs are checked on that first run), so there the capture is traced on fakes, which costs
+no real compute. The graph is the record of what ran, so its later runs compute what the first
+one did. What a live record refuses -- and
 it refuses before the op runs, so that a refused record leaves nothing changed and the
 capture traces on fakes as before (counted in `stats().live_refusals`):
   - an op outside aten (our opaque call, a library's op), a tensor subclass, a non-strided

@@ -271,16 +271,19 @@ class Captured:
     how: str = ""  # how the graph was traced, and why not the cheaper way (explain())
 
 
-def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, history=(), create_graph=False, layouts=None) -> Captured:
+def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, history=(), create_graph=False, layouts=None,
+                     live: bool = False) -> Captured:
     """Trace the whole backward (symbolic where `mask` says; `history`: the
     sizes of earlier backwards of this key); nodes that cannot be traced
     become opaque. With `create_graph`, the formulas run in grad mode, as the
-    engine runs them then, on fakes that require grad where the real tensors do."""
+    engine runs them then, on fakes that require grad where the real tensors do.
+    `live`: the caller will take a live record's results as this backward's (NOTE [Recording
+    on the real tensors]); otherwise running the ops for real would only cost time."""
     opaque_extra: dict[int, str] = {
         i: "marked opaque" for i, n in enumerate(collected.nodes) if n.name in opaque_names and n.kind != ACCUMULATE_KIND
     }
     recording = RECORD
-    live = recording and LIVE and mask is None and not create_graph and not opaque_extra and _all_built_in(collected)
+    live = live and recording and LIVE and mask is None and not create_graph and not opaque_extra and _all_built_in(collected)
     refused: list = []  # why a cheaper way was left: the live record's, the fake record's
     for _ in range(MAX_OPAQUE_RETRIES):
         if live:  # NOTE [Recording on the real tensors] (capture/record.py)
