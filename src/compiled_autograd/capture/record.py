@@ -66,7 +66,8 @@ _PLAIN = (int, float, bool, str, complex, type(None), torch.dtype, torch.device,
 
 
 class Unrecordable(Exception):
-    """Something the recorder leaves to make_fx."""
+    """Something the recorder leaves to the next way to trace: a live record's to a record on
+    fakes, that one's to make_fx."""
 
 
 _LIVE_TYPES = (torch.Tensor, torch.nn.Parameter)

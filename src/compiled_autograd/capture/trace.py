@@ -271,8 +271,25 @@ class Captured:
     how: str = ""  # how the graph was traced, and why not the cheaper way (explain())
 
 
-def capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, history=(), create_graph=False, layouts=None,
-                     live: bool = False) -> Captured:
+def capture_backward(*args, **kwargs) -> Captured:
+    """NOTE [One capture trace at a time]
+    Fake tensors are not thread-safe: their dispatch cache and converter state are process
+    globals. Two captures tracing at once in two threads -- each backward of a threaded
+    training loop's first step -- made formulas fail on their fakes at random (a node made
+    opaque that is not in a run alone: 4 to 88 opaque nodes in one run of the same programs)
+    and, in about one run in ten, a graph that returned a wrong gradient with no error
+    (tests/test_fuzz.py threads, seed 14). make_fx's traces took the fx trace lock (NOTE [One
+    fx trace at a time], compile/torch_patches.py); the recorder, which traces without fx,
+    did not. Every capture's trace now holds that lock, live records too: one capture traces
+    at a time in the process; a hit never waits for it."""
+    from ..compile.torch_patches import _trace_lock
+
+    with _trace_lock:
+        return _capture_backward(*args, **kwargs)
+
+
+def _capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, history=(), create_graph=False, layouts=None,
+                      live: bool = False) -> Captured:
     """Trace the whole backward (symbolic where `mask` says; `history`: the
     sizes of earlier backwards of this key); nodes that cannot be traced
     become opaque. With `create_graph`, the formulas run in grad mode, as the
