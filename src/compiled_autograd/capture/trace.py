@@ -410,11 +410,7 @@ def _record_live(collected, opaque_extra, layouts, refused: list) -> Captured | 
         if tracer.opaque_extra or tracer.slots:  # (not expected: a node made opaque, a call)
             recorder._fail("an opaque node")
     except Exception as e:
-        why = recorder.failed or f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-        log.debug("capture not recorded on the real tensors: %s", why)
-        refused.append(f"the live record refused: {why}")
-        with LOCK:
-            STATS.live_refusals += 1
+        _refused(refused, "the live record", recorder, e, "live_refusals")
         return None
     finally:
         collected.capture.grad_mode = grad_mode
@@ -433,12 +429,17 @@ def _record(backward_graph, fakes, refused: list):
     except Exception as e:
         if isinstance(e, NeedsOpaque) and recorder.failed is None:
             raise
-        why = recorder.failed or f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-    log.debug("capture traced with make_fx: %s", why)
-    refused.append(f"the record on fakes refused: {why}")
-    with LOCK:
-        STATS.make_fx_traces += 1
+        _refused(refused, "the record on fakes", recorder, e, "make_fx_traces")
     return None
+
+
+def _refused(refused: list, what: str, recorder, e: Exception, counter: str) -> None:
+    """A recorder that left the capture to the next way to trace: why (for explain()), counted."""
+    why = recorder.failed or f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    log.debug("capture: %s refused: %s", what, why)
+    refused.append(f"{what} refused: {why}")
+    with LOCK:
+        setattr(STATS, counter, getattr(STATS, counter) + 1)
 
 
 # NOTE [A detach stays a gradient cut]
