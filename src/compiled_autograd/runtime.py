@@ -223,18 +223,20 @@ class _OneBackward:
         pkey = diskcache.portable_key(key, collected.sizes) if cfg.disk_cache and mask is None and not self.create_graph else None
         record = diskcache.load(pkey) if pkey is not None else None
         if record is not None:
-            entry, first = entry_from_disk(cfg, collected, key, record, reason), None
+            entry, first = entry_from_disk(cfg, collected, key, record, reason), None  # (a disk hit computes nothing)
             pkey = None  # already stored
         else:
             layouts = learned.layouts_of(key)
             try:
                 history = tuple(e.sizes for e in fam.entries()) if fam is not None else ()
-                entry, first = capture_and_compile(cfg, collected, key, mask, reason, history, self.create_graph, layouts)
+                got = capture_and_compile(cfg, collected, key, mask, reason, history, self.create_graph, layouts)
             except Exception:
                 if mask is None or cfg.fullgraph:
                     raise
                 log.info("dynamic capture failed, capturing static shapes", exc_info=True)
-                entry, first = capture_and_compile(cfg, collected, key, None, reason + "; dynamic capture failed", layouts=layouts)
+                got = capture_and_compile(cfg, collected, key, None, reason + "; dynamic capture failed", layouts=layouts)
+            entry, first = got.entry, got.results
+            del got
         self.entry = entry
         try:
             self.extra = entry.dynamic.extra_args(collected.sizes) if entry.dynamic else []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import NamedTuple
 
 from ..cache.memory import CompiledBackward, Dynamic
 from ..compile.background import compile_in_background
@@ -41,9 +42,16 @@ def create_graph_unsupported(collected) -> str | None:
     return None
 
 
-def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=(), create_graph=False, layouts=None):
-    """(the entry, this backward's results where the capture computed them and they serve,
-    else None: NOTE [Recording on the real tensors] in capture/record.py)."""
+class Miss(NamedTuple):
+    """A capture's outcome: its entry, and `results`, this backward's graph results where the
+    capture computed them and they serve, else None (NOTE [Recording on the real tensors] in
+    capture/record.py)."""
+
+    entry: CompiledBackward
+    results: list | None
+
+
+def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=(), create_graph=False, layouts=None) -> Miss:
     t0 = time.perf_counter()
     background = cfg.background_compile and not cfg.fullgraph
     # a live record's results serve as this backward's while the graph compiles in the
@@ -128,7 +136,7 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
         # them from the lifted tensors' geometry, as the child process does)
         example = described_fakes(collected.lifted) if first is not None else captured.example_inputs
         compile_in_background(cfg, key, entry, example, what, logged, lambda: dynamic_of(captured, entry.sizes))
-    return entry, first
+    return Miss(entry, first)
 
 
 def entry_from_disk(cfg: Config, collected, key, record, reason: str) -> CompiledBackward:
