@@ -207,8 +207,13 @@ def _main(args) -> int:
 
     from benchmarks.run import machine_info
 
-    # our C++ helper, built (once per machine) before anything is timed
-    subprocess.run([sys.executable, "-c", "from compiled_autograd import native; native.load()"], cwd=ROOT,
+    # our C++ helper, built (once per machine) before anything is timed; and the package's
+    # bytecode, which pip writes when it installs a package (torch's is there): where
+    # PYTHONDONTWRITEBYTECODE is set, as on our CI machine, every worker otherwise compiled
+    # our sources again inside its first backward (17 ms of the MLP's first step)
+    subprocess.run([sys.executable, "-c", "import compileall, os, compiled_autograd as ca; "
+                    "compileall.compile_dir(os.path.dirname(ca.__file__), quiet=1); "
+                    "from compiled_autograd import native; native.load()"], cwd=ROOT,
                    env=_env(tempfile.gettempdir(), args.threads), check=False)
     workloads = args.workloads.split(",")
     modes = args.modes.split(",")

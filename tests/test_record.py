@@ -255,6 +255,25 @@ def test_a_live_record_records_what_ran():
     assert len(recorder.node_of) <= 3  # (intermediates are held weakly: the inputs, the results)
 
 
+def test_a_live_record_shares_shadows_and_generates_its_code_where_it_first_runs():
+    """NOTE [Shadows of a live record]: results of one geometry share one fake (each still of
+    its own geometry), and the module generates its code on its first run, which computes what
+    the record did."""
+    x = torch.randn(4, 3)
+    recorder = record.Recorder(live=True)
+    with torch.no_grad():
+        gm = record.record(lambda a: [a.exp() * a.sin(), a.t().cos(), a.tanh()], [x], recorder)
+    vals = {n: n.meta["val"] for n in gm.graph.nodes if n.op != "output"}
+    assert len({id(v) for v in vals.values()}) == 2  # (4, 3) and its transpose's (3, 4)
+    for n, v in vals.items():
+        want = (3, 4) if n.target is torch.ops.aten.t.default or n.target is torch.ops.aten.cos.default else (4, 3)
+        assert tuple(v.shape) == want, n
+    assert type(gm)._needs_recompile()  # (no code yet)
+    got = gm(x)
+    assert not type(gm)._needs_recompile()
+    assert all(torch.equal(a, b) for a, b in zip(got, [x.exp() * x.sin(), x.t().cos(), x.tanh()]))
+
+
 def test_explain_says_how_each_graph_was_traced():
     """explain(): a live record, and a refused one with the refusal's reason."""
     torch.manual_seed(0)

@@ -95,6 +95,7 @@ class Recorder(TorchDispatchMode):
         self.alive: list = []
         self.storages: set = set()  # live: the data pointers of the inputs' storages
         self.shadow_mode = None
+        self.shadows: dict = {}  # live: (shape, stride, dtype, device) -> its fake (NOTE [Shadows of a live record])
         self.failed: str | None = None
 
     def _fail(self, why: str):
@@ -111,13 +112,18 @@ class Recorder(TorchDispatchMode):
             node.meta["val"] = t
 
     def _shadow(self, t: torch.Tensor):
-        """A fake of `t`'s geometry, for `meta["val"]` of a live record."""
-        from torch._subclasses.fake_tensor import FakeTensorMode
+        """A fake of `t`'s geometry, for `meta["val"]` of a live record (NOTE [Shadows of a
+        live record])."""
+        key = (t.shape, t.stride(), t.dtype, t.device)
+        fake = self.shadows.get(key)
+        if fake is None:
+            if self.shadow_mode is None:
+                from torch._subclasses.fake_tensor import FakeTensorMode
 
-        if self.shadow_mode is None:
-            self.shadow_mode = FakeTensorMode()
-        meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-        return FakeTensor(self.shadow_mode, meta, t.device)
+                self.shadow_mode = FakeTensorMode()
+            meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            fake = self.shadows[key] = FakeTensor(self.shadow_mode, meta, t.device)
+        return fake
 
     def _arg(self, a):
         if isinstance(a, torch.Tensor):
@@ -172,27 +178,47 @@ class Recorder(TorchDispatchMode):
     def _check_live(self, func, args, kwargs) -> None:
         """Refuse, before it runs, an op a live record must not run (NOTE [Recording on the
         real tensors])."""
-        if func.namespace != "aten":
-            self._fail(f"{func}: not an aten op")
-        tags = func.tags
-        for tag in _REFUSED_TAGS:
-            if tag in tags:
-                self._fail(f"{func}: {tag.name}")
-        schema = func._schema
-        if not all(_tensor_return(r.type) for r in schema.returns):
-            self._fail(f"{func} returns a value that is not a tensor")
-        for i, a in enumerate(schema.arguments):
-            v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
-            if _tensor_return(a.type) and any(isinstance(x, _NUMBERS) for x in (v if isinstance(v, (list, tuple)) else (v,))):
+        rules = _LIVE_RULES.get(func)
+        if rules is None:
+            rules = _LIVE_RULES[func] = _live_rules(func)
+        refused, tensor_args, written = rules
+        if refused is not None:
+            self._fail(refused)
+        for i, name, kwarg_only in tensor_args:
+            v = args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
+            if any(isinstance(x, _NUMBERS) for x in (v if isinstance(v, (list, tuple)) else (v,))):
                 self._fail(f"{func}: a number where it takes a tensor (a wrapped number)")
-        if schema.is_mutable:
-            for i, a in enumerate(schema.arguments):
-                if a.alias_info is None or not a.alias_info.is_write:
-                    continue
-                v = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
-                for t in v if isinstance(v, (list, tuple)) else (v,):
-                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.storages:
-                        self._fail(f"{func} writes into a lifted tensor")
+        for i, name, kwarg_only in written:
+            v = kwargs.get(name) if kwarg_only or i >= len(args) else args[i]
+            for t in v if isinstance(v, (list, tuple)) else (v,):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.storages:
+                    self._fail(f"{func} writes into a lifted tensor")
+
+
+# what a live record checks of an op, from its schema: (why it is refused whatever its
+# arguments, or None; its tensor arguments; the arguments it writes), each argument as
+# (position, name, kwarg_only); once per op (its schema, read per call, was 30 us of each op)
+_LIVE_RULES: dict = {}
+
+
+def _live_rules(func) -> tuple:
+    def arg(i, a):
+        return (i, a.name, a.kwarg_only)
+
+    refused = None
+    schema = func._schema
+    if func.namespace != "aten":
+        refused = f"{func}: not an aten op"
+    else:
+        tags = func.tags
+        refused = next((f"{func}: {tag.name}" for tag in _REFUSED_TAGS if tag in tags), None)
+    if refused is None and not all(_tensor_return(r.type) for r in schema.returns):
+        refused = f"{func} returns a value that is not a tensor"
+    tensor_args = tuple(arg(i, a) for i, a in enumerate(schema.arguments) if _tensor_return(a.type))
+    written = tuple(
+        arg(i, a) for i, a in enumerate(schema.arguments) if schema.is_mutable and a.alias_info is not None and a.alias_info.is_write
+    )
+    return refused, tensor_args, written
 
 
 def record(fn: Callable[..., Sequence[Any]], fakes: Sequence[torch.Tensor], recorder: Recorder) -> torch.fx.GraphModule:
@@ -213,4 +239,19 @@ def record(fn: Callable[..., Sequence[Any]], fakes: Sequence[torch.Tensor], reco
         results = fn(*fakes)
     graph.output([recorder._arg(r) for r in results])
     graph.eliminate_dead_code()  # (before the module generates its code, which it does once)
+    if recorder.live:  # NOTE [Shadows of a live record]: its code generated where it first runs
+        from ..compile.boxed import _lazy_module
+
+        return _lazy_module(torch.nn.Module(), graph)
     return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+# NOTE [Shadows of a live record]
+# A live record runs in the first backward, where every millisecond is the user's: of the D=1024
+# MLP's 66-node record (83 ops, 30 ms of kernels), making a FakeTensor for every result's
+# `meta["val"]` took 7.5 ms and the GraphModule's code 5 ms. What reads those values reads
+# their geometry (the expected outputs, the passes' "is it a tensor"; the compile makes its own
+# fakes), so results of one geometry share one fake: the MLP's 164 became 9. And the module
+# generates its Python code where it first runs (torch's _LazyGraphModule, as inductor's
+# passes use it): in the compile's thread for a background compile, which is where a live
+# record's graph first runs; on its first hit for the eager backend.

@@ -51,9 +51,19 @@ def _boxed_graph_module(gm: torch.fx.GraphModule) -> Callable:
     graph = copy.deepcopy(gm.graph)
     _direct_calls(graph)
     graph.set_codegen(_BoxedCodeGen())
-    boxed = torch.fx.GraphModule(gm, graph)
+    boxed = _lazy_module(gm, graph)  # (its code generated on its first run: the next hit's)
     setattr(boxed, BOXED, True)
     return boxed
+
+
+def _lazy_module(root, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A GraphModule whose Python code is generated where it first runs (NOTE [Shadows of a
+    live record] in capture/record.py)."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # pragma: no cover - other torch versions
+        return torch.fx.GraphModule(root, graph)
+    return _LazyGraphModule(root, graph)
 
 
 def _as_is(flat_args):
