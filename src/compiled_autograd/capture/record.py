@@ -75,6 +75,19 @@ _NUMBERS = (int, float, bool, complex)
 _REFUSED_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape, torch.Tag.nondeterministic_seeded)
 
 
+_SHADOW_MODE: list = []
+
+
+def _shadow_mode():
+    """The fake mode of every live record's shadows, made once: they are geometry, never run on
+    (a FakeTensorMode records its creation's stack, 2 ms of a first backward)."""
+    if not _SHADOW_MODE:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        _SHADOW_MODE.append(FakeTensorMode())
+    return _SHADOW_MODE[0]
+
+
 def _tensor_return(t) -> bool:
     """Whether a schema return type is a tensor, an optional tensor or a list of tensors."""
     if isinstance(t, torch.OptionalType):
@@ -94,7 +107,6 @@ class Recorder(TorchDispatchMode):
         self.node_of = WeakIdKeyDictionary() if live else {}
         self.alive: list = []
         self.storages: set = set()  # live: the data pointers of the inputs' storages
-        self.shadow_mode = None
         self.shadows: dict = {}  # live: (shape, stride, dtype, device) -> its fake (NOTE [Shadows of a live record])
         self.failed: str | None = None
 
@@ -117,12 +129,8 @@ class Recorder(TorchDispatchMode):
         key = (t.shape, t.stride(), t.dtype, t.device)
         fake = self.shadows.get(key)
         if fake is None:
-            if self.shadow_mode is None:
-                from torch._subclasses.fake_tensor import FakeTensorMode
-
-                self.shadow_mode = FakeTensorMode()
             meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-            fake = self.shadows[key] = FakeTensor(self.shadow_mode, meta, t.device)
+            fake = self.shadows[key] = FakeTensor(_shadow_mode(), meta, t.device)
         return fake
 
     def _arg(self, a):
