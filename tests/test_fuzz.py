@@ -268,3 +268,68 @@ def test_random_programs_in_threads_match_eager():
     assert (s.opaque_nodes, s.eager_fallbacks) == (0, 0), s
     s = ca.stats()
     assert s.hits >= 6 and s.eager_fallbacks == 0, s
+
+
+@pytest.mark.slow
+def test_random_programs_beside_torch_compile_in_another_thread():
+    # a user's torch.compile in one thread while two others capture: dynamo traces on fake
+    # tensors too, which are not thread-safe (NOTE [One capture trace at a time]), and its
+    # compiles are serialized with our background compiles but not with our captures. Every
+    # backward bitwise eager's, no node made opaque, no fallback. (Dynamo's compile saves and
+    # restores the global generator around itself -- torch's, as under eager -- so it takes
+    # turns with the forwards, whose dropout draws from that generator; the backwards, and so
+    # our captures, run beside it.)
+    turns = threading.Lock()
+    stop = threading.Event()
+    failures, compiled = [], [0]
+
+    def user_compiles():
+        i = 0
+        while not stop.is_set():
+            i += 1  # (a new code object each time: dynamo traces every one)
+            src = f"def f(x, y):\n    return ((x @ y).relu() * {i}.0 + x.sin().sum()).softmax(-1).sum() + {i}\n"
+            scope: dict = {"torch": torch}
+            exec(compile(src, f"<user {i}>", "exec"), scope)
+            try:
+                with turns:
+                    torch.compile(scope["f"], backend="eager", dynamic=False)(torch.randn(8, 8), torch.randn(8, 8))
+                compiled[0] += 1
+            except Exception as e:  # noqa: BLE001 (reported below)
+                failures.append(f"torch.compile: {e!r}")
+
+    def worker(seeds):
+        try:
+            for seed in seeds:
+                for batch in (5, 7):  # (a second size: a dynamic capture, traced with make_fx)
+                    for values in (1, 2):  # the second a hit
+                        leaves, loss_fn, _, init_grads = build(seed, batch, values)
+                        init_grads()
+                        with turns:
+                            loss = loss_fn()
+                        loss.backward()
+                        want = _grads(leaves, [])
+                        init_grads()
+                        with turns:
+                            loss = loss_fn()
+                        with ca.enable("eager", background=False):
+                            loss.backward()
+                        try:
+                            assert_grads_equal(_grads(leaves, []), want, what=f"seed {seed} batch {batch} values {values}",
+                                               exact=True)
+                        except AssertionError as e:
+                            failures.append(str(e))
+        except Exception as e:  # noqa: BLE001 (reported below, with the thread's seeds)
+            failures.append(f"seeds {seeds}: {e!r}")
+
+    user = threading.Thread(target=user_compiles)
+    user.start()
+    try:
+        seeds = [0, 1, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14]
+        run_in_threads(worker, [(seeds[k::2],) for k in range(2)])
+    finally:
+        stop.set()
+        user.join()
+    assert not failures, failures[:5]
+    s = ca.stats()
+    assert compiled[0] > 10 and s.captures >= 24, (compiled, s)
+    assert (s.opaque_nodes, s.eager_fallbacks) == (0, 0), s
