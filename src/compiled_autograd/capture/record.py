@@ -55,7 +55,7 @@ them as eager does)."""
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -189,27 +189,32 @@ class Recorder(TorchDispatchMode):
         rules = _LIVE_RULES.get(func)
         if rules is None:
             rules = _LIVE_RULES[func] = _live_rules(func)
-        refused, tensor_args, written = rules
-        if refused is not None:
-            self._fail(refused)
-        for i, name, kwarg_only in tensor_args:
+        if rules.refused is not None:
+            self._fail(rules.refused)
+        for i, name, kwarg_only in rules.tensor_args:
             v = args[i] if i < len(args) and not kwarg_only else kwargs.get(name)
             if any(isinstance(x, _NUMBERS) for x in (v if isinstance(v, (list, tuple)) else (v,))):
                 self._fail(f"{func}: a number where it takes a tensor (a wrapped number)")
-        for i, name, kwarg_only in written:
+        for i, name, kwarg_only in rules.written:
             v = kwargs.get(name) if kwarg_only or i >= len(args) else args[i]
             for t in v if isinstance(v, (list, tuple)) else (v,):
                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.storages:
                     self._fail(f"{func} writes into a lifted tensor")
 
 
-# what a live record checks of an op, from its schema: (why it is refused whatever its
-# arguments, or None; its tensor arguments; the arguments it writes), each argument as
-# (position, name, kwarg_only); once per op (its schema, read per call, was 30 us of each op)
-_LIVE_RULES: dict = {}
+class LiveRules(NamedTuple):
+    """What a live record checks of an op, read from its schema once per op (read per call, it
+    was 30 us of each op); each argument as (position, name, kwarg_only)."""
+
+    refused: str | None  # why the op is refused whatever its arguments
+    tensor_args: tuple  # the arguments that take tensors (a number there is a wrapped number)
+    written: tuple  # the arguments it writes
 
 
-def _live_rules(func) -> tuple:
+_LIVE_RULES: dict = {}  # OpOverload -> LiveRules
+
+
+def _live_rules(func) -> LiveRules:
     def arg(i, a):
         return (i, a.name, a.kwarg_only)
 
@@ -226,7 +231,7 @@ def _live_rules(func) -> tuple:
     written = tuple(
         arg(i, a) for i, a in enumerate(schema.arguments) if schema.is_mutable and a.alias_info is not None and a.alias_info.is_write
     )
-    return refused, tensor_args, written
+    return LiveRules(refused, tensor_args, written)
 
 
 def record(fn: Callable[..., Sequence[Any]], fakes: Sequence[torch.Tensor], recorder: Recorder) -> torch.fx.GraphModule:
@@ -248,9 +253,9 @@ def record(fn: Callable[..., Sequence[Any]], fakes: Sequence[torch.Tensor], reco
     graph.output([recorder._arg(r) for r in results])
     graph.eliminate_dead_code()  # (before the module generates its code, which it does once)
     if recorder.live:  # NOTE [Shadows of a live record]: its code generated where it first runs
-        from ..compile.boxed import _lazy_module
+        from ..compile.boxed import lazy_module
 
-        return _lazy_module(torch.nn.Module(), graph)
+        return lazy_module(torch.nn.Module(), graph)
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 

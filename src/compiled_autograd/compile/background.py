@@ -14,7 +14,7 @@ from ..cache.memory import CACHE, CompiledBackward
 from ..config import Config
 from ..observe.logs import compile_status
 from ..observe.stats import LOCK, STATS
-from . import backends
+from . import backends, boxed
 from . import child
 from . import torch_patches
 from .torch_patches import in_background
@@ -109,7 +109,7 @@ def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, wh
                         with LOCK:
                             STATS.child_compiles += int(in_child)
                     inputs = example() if callable(example) else example
-                    fn = backends.compile_graph(cfg.backend, _generated(graph), inputs, dynamic=is_dynamic, patches=cfg.inductor_patches)
+                    fn = backends.compile_graph(cfg.backend, boxed.plain_module(graph), inputs, dynamic=is_dynamic, patches=cfg.inductor_patches)
             finally:
                 with LOCK:
                     _compiling.discard(me)
@@ -173,17 +173,6 @@ def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, wh
 # which Python delivers between bytecodes -- never inside C++ code, which
 # finishes the call it is in first -- and repeated until the thread ends.
 EXIT_WAIT_DEFAULT = 10.0
-
-
-def _generated(graph):
-    """A live record's module (whose code is generated where it first runs: NOTE [Shadows of a
-    live record] in capture/record.py) as the plain GraphModule the child compiled: given the
-    lazy one, AOTAutograd's cache missed the child's entry (tests/test_child_compile.py)."""
-    import torch
-
-    if isinstance(graph, torch.fx.GraphModule) and hasattr(type(graph), "_needs_recompile"):
-        return torch.fx.GraphModule(graph, graph.graph)
-    return graph
 
 
 class CompileCancelled(BaseException):

@@ -51,12 +51,12 @@ def _boxed_graph_module(gm: torch.fx.GraphModule) -> Callable:
     graph = copy.deepcopy(gm.graph)
     _direct_calls(graph)
     graph.set_codegen(_BoxedCodeGen())
-    boxed = _lazy_module(gm, graph)  # (its code generated on its first run: the next hit's)
+    boxed = lazy_module(gm, graph)  # (its code generated on its first run: the next hit's)
     setattr(boxed, BOXED, True)
     return boxed
 
 
-def _lazy_module(root, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+def lazy_module(root, graph: torch.fx.Graph) -> torch.fx.GraphModule:
     """A GraphModule whose Python code is generated where it first runs (NOTE [Shadows of a
     live record] in capture/record.py)."""
     try:
@@ -64,6 +64,17 @@ def _lazy_module(root, graph: torch.fx.Graph) -> torch.fx.GraphModule:
     except ImportError:  # pragma: no cover - other torch versions
         return torch.fx.GraphModule(root, graph)
     return _LazyGraphModule(root, graph)
+
+
+def plain_module(gm):
+    """A lazy module as a plain GraphModule of the same graph, as the child process compiles
+    it: given the lazy one, AOTAutograd's cache key differed and missed the child's entry
+    (tests/test_child_compile.py); anything else as it is."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # pragma: no cover - other torch versions
+        return gm
+    return torch.fx.GraphModule(gm, gm.graph) if isinstance(gm, _LazyGraphModule) else gm
 
 
 def _as_is(flat_args):
