@@ -51,6 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--disk-cache", action="store_true",
                    help="also round-trip every case through the on-disk graph cache (in a temporary "
                         "directory unless COMPILED_AUTOGRAD_GRAPH_DIR is set)")
+    p.add_argument("--empty-samples", action="store_true",
+                   help="run every op sample that holds a tensor with no elements instead of the first N (ops only)")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--render", default=None, metavar="JSON",
@@ -81,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         module_dtypes=[d for d in a.module_dtypes.split(",") if d] if a.module_dtypes else None,
         modes=[m for m in a.modes.split(",") if m],
         disk_cache=a.disk_cache,
+        empty=a.empty_samples,
         progress=log,
         command=command,
     )

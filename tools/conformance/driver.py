@@ -32,6 +32,7 @@ def run(
     module_names: Sequence[str] | None = None,
     modes: Sequence[str] = ("backward", "grad_subset"),
     disk_cache: bool = False,
+    empty: bool = False,
     progress: Callable[[str], None] | None = None,
     command: str = "",
 ) -> Report:
@@ -45,7 +46,7 @@ def run(
         command=command,
         options=dict(ops=ops, modules=modules, filter=filter, sample=sample, every=every,
                      dtypes=list(dtypes), module_dtypes=list(module_dtypes or dtypes), modes=list(modes),
-                     disk_cache=disk_cache,
+                     disk_cache=disk_cache, empty=empty,
                      native_build=native._build_name(), core=_core_version()),
     )
     tmp = None
@@ -56,7 +57,7 @@ def run(
         os.environ["COMPILED_AUTOGRAD_GRAPH_DIR"] = tmp
     try:
         _run_all(report, backend, ops, modules, filter, sample, every, dtypes, module_dtypes, op_names,
-                 module_names, modes, disk_cache, progress)
+                 module_names, modes, disk_cache, progress, empty)
     finally:
         if tmp is not None:
             import shutil
@@ -68,7 +69,7 @@ def run(
 
 
 def _run_all(report, backend, ops, modules, filter, sample, every, dtypes, module_dtypes, op_names,
-             module_names, modes, disk_cache, progress) -> None:
+             module_names, modes, disk_cache, progress, empty=False) -> None:
     op_dt = [DTYPES[d] for d in dtypes]
     mod_dt = [DTYPES[d] for d in (module_dtypes or dtypes)]
     with warnings.catch_warnings():
@@ -77,13 +78,14 @@ def _run_all(report, backend, ops, modules, filter, sample, every, dtypes, modul
             sel = select_ops(filter, every, op_names)
             for k, op in enumerate(sel):
                 t = time.perf_counter()
-                rs = run_op(op, backend=backend, dtypes=op_dt, sample_limit=sample, modes=modes, disk_cache=disk_cache)
+                rs = run_op(op, backend=backend, dtypes=op_dt, sample_limit=sample, modes=modes, disk_cache=disk_cache,
+                            empty=empty)
                 report.cases.extend(rs)
                 if progress:
                     progress(_progress_line("op", k, len(sel), op_full_name(op), rs, time.perf_counter() - t))
                 if k % 50 == 49:  # a full collection costs ~0.2 s with op_db loaded
                     gc.collect()
-        if modules:
+        if modules and not empty:  # (ModuleInfo has no such samples to pick)
             sel = select_modules(filter, every, module_names)
             for k, info in enumerate(sel):
                 t = time.perf_counter()

@@ -99,8 +99,17 @@ def _seed_for(*parts) -> int:
     return h
 
 
+def _has_empty_tensor(sample) -> bool:
+    """Whether a sample input holds a tensor with no elements (in its input, args or kwargs)."""
+    items = list(_walk(sample.input, "input")) + list(_walk(list(sample.args), "args"))
+    items += list(_walk(dict(sample.kwargs), "kwargs"))
+    return any(t.numel() == 0 for _, t in items)
+
+
 def run_op(op, *, backend: str, dtypes: Sequence[torch.dtype], sample_limit: int | None,
-           modes=("backward", "grad_subset"), disk_cache: bool = False) -> list[CaseResult]:
+           modes=("backward", "grad_subset"), disk_cache: bool = False, empty: bool = False) -> list[CaseResult]:
+    """The op's cases: its first `sample_limit` samples; with `empty`, every sample that holds a
+    tensor with no elements instead (wherever it stands among the samples)."""
     name = op_full_name(op)
     results: list[CaseResult] = []
     try:
@@ -116,12 +125,15 @@ def run_op(op, *, backend: str, dtypes: Sequence[torch.dtype], sample_limit: int
             samples = op.sample_inputs("cpu", dtype, requires_grad=True)
             it = iter(samples)
             i = 0
-            while sample_limit is None or i < sample_limit:
+            while empty or sample_limit is None or i < sample_limit:
                 torch.manual_seed(_seed_for(name, dname, i))
                 try:
                     sample = next(it)
                 except StopIteration:
                     break
+                if empty and not _has_empty_tensor(sample):
+                    i += 1
+                    continue
                 subject = OpSubject(op, sample)
                 for mode in modes:
                     if mode == "grad_subset" and len(subject.targets()) < 2:

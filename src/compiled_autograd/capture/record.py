@@ -98,6 +98,13 @@ def _tensor_return(t) -> bool:
 
 
 class Recorder(TorchDispatchMode):
+    # A higher-order operator (`run_with_rng_state` in a checkpointed region's backward) reaches
+    # __torch_dispatch__, which refuses it like any other non-aten op (`failed`, so the capture
+    # traces with make_fx, whose proxy mode has its rule). Without this, torch raised its own
+    # "no rule registered for HigherOrderOperator" error past `_fail`: the node that ran the op
+    # was made opaque as if its backward could not be traced at all.
+    supports_higher_order_operators = True
+
     def __init__(self, live: bool = False):
         super().__init__()
         self.graph = torch.fx.Graph()
@@ -244,7 +251,9 @@ def record(fn: Callable[..., Sequence[Any]], fakes: Sequence[torch.Tensor], reco
         if recorder.live:
             if type(f) not in _LIVE_TYPES or f.layout != torch.strided:
                 recorder._fail(f"input {i} is a {type(f).__name__} of layout {f.layout}")
-            recorder.storages.add(f.untyped_storage().data_ptr())
+            ptr = f.untyped_storage().data_ptr()
+            if ptr:  # (an empty storage has none: nothing to write into, and every one is 0)
+                recorder.storages.add(ptr)
         elif not isinstance(f, FakeTensor):
             recorder._fail(f"input {i} is a {type(f).__name__}")
         recorder._bind(f, graph.placeholder(f"arg{i}_1"))

@@ -128,6 +128,25 @@ static variable_list call_torch_functional(
   return to_tensors(py::cast<std::vector<std::optional<at::Tensor>>>(op(*args)));
 }
 
+// The message of an exception caught while tracing. A Python error raised inside an aten op
+// (a dispatch mode's refusal, a fake tensor's error) reaches C++ as torch's python_error,
+// thrown before its message is built: what() is empty and the error is still Python's
+// pending error. Taken as is, an empty message read as "no error": the node's grads came back
+// undefined and the trace went on, a graph that returned None where eager returns a gradient
+// (a 0-element circular pad whose live record refused a copy_). So the pending Python error
+// is fetched (and cleared) for the message, and a message is never empty.
+static std::string describe(const std::exception& e) {
+  std::string what = e.what();
+  if (what.empty()) {
+    py::gil_scoped_acquire gil;
+    if (PyErr_Occurred()) {
+      py::error_already_set pending;  // fetches and clears Python's error indicator
+      what = pending.what();
+    }
+  }
+  return what.empty() ? std::string("an error without a message") : what;
+}
+
 // NOTE [Deferred trace errors]
 // A node's apply_with_saved swaps its saved values for proxies, calls us, and
 // swaps them back. If we threw from inside, the swap-back would be skipped and
@@ -161,7 +180,7 @@ struct TraceInterface : public cad::PyCompilerInterface {
     try {
       return f();
     } catch (const std::exception& e) {
-      error = e.what();
+      error = describe(e);
       return variable_list(n_out);
     }
   }
@@ -223,7 +242,7 @@ struct TraceInterface : public cad::PyCompilerInterface {
     try {
       return py::cast<at::Tensor>((*unpack_in_graph)(hook_input_id));
     } catch (const std::exception& e) {
-      error = e.what();
+      error = describe(e);
       return at::Tensor();
     }
   }
