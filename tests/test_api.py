@@ -600,3 +600,40 @@ def test_helper_that_fails_to_build_is_tried_once_and_every_backward_runs_in_eag
     assert "could not be built" in reason and "Error building extension" in reason and "ninja" not in reason
     with pytest.raises(native.Unavailable):
         native.load()
+
+
+def test_explain_stays_readable_with_many_guards_captures_and_opaque_nodes():
+    """issue 36 item 6 (NOTE [explain() stays readable]): a transformer's dynamic graph carries
+    hundreds of guards, once printed on one line of 17,196 characters; every list is now
+    bounded, and so is every line, with dump() named for the rest."""
+    from compiled_autograd.observe import explain as ex
+
+    torch.manual_seed(0)
+    m = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    with ca.enable("eager"):
+        for b, t in [(2, 5), (3, 7), (4, 9)]:  # static, then one dynamic graph, then a hit
+            m(torch.randn(b, t, 16)).sum().backward()
+    s = ca.stats()
+    assert (s.captures, s.dynamic_captures, s.hits) == (2, 1, 1), s
+    text = ca.explain(file=None)
+    guards = next(line for line in text.splitlines() if line.strip().startswith("guards:"))
+    n = int(guards.split("guards:")[1].split()[0])
+    assert n > 20 and "ca.dump(path)" in guards, guards
+    # many captures, then many opaque nodes in one capture
+    x = torch.randn(3, requires_grad=True)
+    with ca.enable("eager", opaque=("MulBackward0",)):
+        for k in range(ex.MAX_CAPTURES + 5):
+            (x + 1).pow(k + 2).sum().backward()  # a new saved constant: a capture each
+        for _ in range(2):  # (the first backward of a graph with opaque nodes learns their layouts)
+            y = x
+            for _ in range(15):
+                y = y * 1.01
+            y.sum().backward()
+    text = ca.explain(file=None)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= ex.MAX_LINE, max(lines, key=len)
+    last = max(i for i, line in enumerate(lines) if line.startswith("  capture "))
+    assert sum(line.strip().startswith("opaque: MulBackward0") for line in lines[last:]) == ex.MAX_ITEMS
+    assert "opaque: ... 5 more nodes" in text
+    assert sum(line.startswith("  capture ") for line in lines) == ex.MAX_CAPTURES
+    assert "earlier captures not shown" in text

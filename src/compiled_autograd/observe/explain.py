@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
+from collections import Counter
 
 from ..cache.memory import CACHE
 from ..values import NodeKind
@@ -28,19 +30,38 @@ def explain(file=sys.stdout) -> Report:
     return text
 
 
+# NOTE [explain() stays readable]
+# Every list explain() prints is bounded, and so is every line: a dynamic graph of a two-layer
+# GPT carries about 380 guards, once printed on one line of 17,196 characters. Long lists are
+# summarised (a count, the first few) and point to dump(), which writes everything.
+MAX_ITEMS = 10  # entries of one list shown (opaque nodes of a capture, details of a reason)
+MAX_CAPTURES = 32  # capture lines shown: the newest; the rest are counted by reason
+MAX_LINE = 240  # characters of one line
+MAX_GUARDS = 2  # guards quoted of a dynamic graph's
+
+
 def _report() -> str:
     with LOCK:
         s = STATS.snapshot()
     lines = [f"compiled_autograd: {s}"]
-    for i, c in enumerate(capture_log()):
+    log = capture_log()
+    if len(log) > MAX_CAPTURES:
+        older = Counter(c["reason"].split(":")[0] for c in log[: len(log) - MAX_CAPTURES])
+        why = ", ".join(f"{r} x{n}" for r, n in older.most_common(MAX_ITEMS))
+        lines.append(f"  {len(log) - MAX_CAPTURES} earlier captures not shown ({why})")
+    first = max(0, len(log) - MAX_CAPTURES)
+    for i, c in enumerate(log[first:], start=first):
         lines.append(
             f"  capture {i}: {c['nodes']} nodes, {c['inputs']} inputs, backend {c['backend']}: {c['reason']} "
             f"(trace {c['trace_seconds']:.2f}s, compile {c['compile_seconds']:.2f}s)"
         )
         if c.get("traced"):
             lines.append(f"    traced: {c['traced']}")
-        for name, why in c.get("opaque", ()):
+        opaque = list(c.get("opaque", ()))
+        for name, why in opaque[:MAX_ITEMS]:
             lines.append(f"    opaque: {name}: {why}")
+        if len(opaque) > MAX_ITEMS:
+            lines.append(f"    opaque: ... {len(opaque) - MAX_ITEMS} more nodes (all of them: ca.dump(path))")
         if c.get("in_graph"):
             lines.append(
                 f"    saved-tensor hooks: {c['in_graph']} tensors unpacked in the graph, each when its node runs "
@@ -55,19 +76,40 @@ def _report() -> str:
         if c.get("create_graph"):
             lines.append(f"    create_graph: {c['create_graph']}")
         if c.get("dynamic"):
-            shown = ", ".join(c["dynamic"][:12]) + (" ..." if len(c["dynamic"]) > 12 else "")
+            dyn = c["dynamic"]
+            shown = ", ".join(dyn[:4]) + (f" ... ({len(dyn)} in all)" if len(dyn) > 4 else "")
             lines.append(f"    symbolic sizes: {shown}")
-            lines.append(f"    guards: {c.get('guards') or 'none'}")
+            lines.append(f"    guards: {summarise_guards(c.get('guards'))}")
     for kind, n in s.fallback_reasons.most_common():
         lines.append(f"  eager fallback x{n}: {kind}")
-    for detail, n in s.fallback_details.most_common(10):
+    for detail, n in s.fallback_details.most_common(MAX_ITEMS):
         lines.append(f"    x{n}: {detail}")
     for kind, n in s.opaque_reasons.most_common():
         lines.append(f"  opaque node runs x{n}: {kind}")
-    for detail, n in s.opaque_details.most_common(10):
+    for detail, n in s.opaque_details.most_common(MAX_ITEMS):
         lines.append(f"    x{n}: {detail}")
     lines.append(f"  cached graphs: {len(CACHE)}")
-    return "\n".join(lines)
+    return "\n".join(_clip(line) for line in lines)
+
+
+def _clip(line: str) -> str:
+    return line if len(line) <= MAX_LINE else line[: MAX_LINE - 24] + f" ... (+{len(line) - MAX_LINE + 24} chars)"
+
+
+_SIZE_TERM = re.compile(r"L\['t\d+'\]\.(?:size\(\)\[\d+\]|stride\(\)\[\d+\]|storage_offset\(\))")
+
+
+def summarise_guards(source: str | None) -> str:
+    """A dynamic graph's guards in one short line: how many, over how many sizes, the first few;
+    dump() writes them all (graph_<i>.txt)."""
+    if not source:
+        return "none"
+    guards = [g.strip() for g in source.split(" and ") if g.strip()]
+    sizes = list(dict.fromkeys(_SIZE_TERM.findall(source)))
+    if len(guards) <= MAX_GUARDS and len(source) <= MAX_LINE - 20:
+        return source
+    quoted = "; ".join(g if len(g) <= 60 else g[:57] + "..." for g in guards[:MAX_GUARDS])
+    return f"{len(guards)} over {len(sizes)} input sizes, first: {quoted}; all of them: ca.dump(path), graph_<i>.txt"
 
 
 def graphs():
