@@ -47,6 +47,17 @@ def tolerance(backend) -> dict:
     return {"exact": True} if backend in EXACT_BACKENDS else {"rtol": 1e-4, "atol": 1e-5}
 
 
+def higher_order_tol(want: torch.Tensor) -> dict:
+    """The tolerance of a second- or higher-order gradient: NOTE [The contract of a second-order
+    gradient] (tools/conformance/tensors.py): within SECOND_ORDER_EPS machine epsilons of the
+    tensor's largest eager magnitude (the first order is bitwise)."""
+    from tools.conformance.tensors import SECOND_ORDER_EPS
+
+    finite = want.detach()[torch.isfinite(want.detach())]
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    return {"rtol": 0.0, "atol": SECOND_ORDER_EPS * torch.finfo(want.dtype).eps * scale, "equal_nan": True}
+
+
 def _bitwise(g, w) -> bool:
     # (NaN-aware: NaN where eager has NaN; infinities are kept, not mapped to finite values)
     inf = float("inf")

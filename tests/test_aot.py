@@ -219,3 +219,19 @@ def test_retain_graph_through_a_region_with_donated_buffers_raises_as_eager():
     # without retain_graph, the region's backward is inlined
     w.grad = None
     parity(lambda x, b: region(x, b).sum(), [w], lambda s: (torch.randn(3, 5), torch.randn(3, 5)), backend="aot_eager")
+
+
+def test_a_region_with_donated_buffers_runs_as_is_without_retain_graph():
+    # a region run opaquely inside our graph runs in a graph task of ours, which kept its
+    # graph: its backward refused the donated buffers that eager's (retain_graph=False) runs
+    # with (NOTE in replay/graph_task.py's in_graph_task)
+    torch.manual_seed(0)
+    w = torch.randn(5, 5, requires_grad=True)
+    region = torch.compile(lambda x, b: ((x @ w).sin() * b).cos(), backend="aot_eager")
+    region(torch.randn(2, 5), torch.randn(2, 5)).sum().backward()  # (its dynamic recompile donates)
+    w.grad = None
+    parity(lambda x, b: region(x, b).sum(), [w], lambda s: (torch.randn(3, 5), torch.randn(3, 5)), backend="aot_eager",
+           steps=3, captures=None, opaque=("CompiledFunctionBackward",))
+    s = ca.stats()
+    assert (s.learning_backwards, s.captures, s.hits, s.eager_fallbacks) == (1, 1, 1, 0), s
+    assert s.opaque_nodes == 2, s

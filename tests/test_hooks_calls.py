@@ -151,3 +151,27 @@ def test_hooked_backwards_in_two_threads_each_use_their_own_replay():
     assert not errors, errors
     s = ca.stats()
     assert s.eager_fallbacks == 0 and s.captures <= 2 and s.hits >= 36, s  # (both may capture at once)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_hooks_called_from_a_graph_see_no_python_object_in_the_thread_local_state(backend):
+    """issue 36 item 7 (NOTE [No Python object in the backward's thread-local state]): work a
+    hook launches (DDP's allreduce) copies the thread-local state; torch's engine entry stashes
+    the contextvars context there, and a gloo worker dropping the last copy at exit then needs
+    the GIL the main thread holds in ~ProcessGroupGloo: a hang. Eager's hooks see it stashed;
+    ours, called from the compiled graph, must not, on the capture and on the hit."""
+    seen = []
+    w = leaf(3)
+    w.register_hook(lambda g: seen.append(torch._C._is_key_in_tls("context")))
+    h = leaf(3)
+    for step in range(2):
+        x = torch.randn(3)
+        with ca.enable(backend, fullgraph=True):
+            y = w * x
+            y.register_hook(lambda g: seen.append(torch._C._is_key_in_tls("context")))
+            (y * h).sum().backward()
+    assert seen == [False] * 4, seen
+    s = ca.stats()
+    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
+    (w * x).sum().backward()  # eager's engine does stash it (what this test guards against)
+    assert seen[-1] is True

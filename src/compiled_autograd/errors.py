@@ -26,6 +26,16 @@ class NeedsOpaque(Exception):
         self.reason = reason
 
 
+class LearnLayouts(Exception):
+    """A capture made nodes opaque whose outputs' layouts no backward has shown (their trace
+    failed): this backward runs in eager autograd to learn them, and the next is captured
+    (NOTE [Nodes made opaque by their trace], cache/learned.py)."""
+
+    def __init__(self, idxs):
+        super().__init__(f"{len(idxs)} nodes made opaque by the trace")
+        self.idxs = tuple(idxs)
+
+
 class NotTwiceDifferentiable(Exception):
     """create_graph=True through a part of the backward eager records as an error node."""
 

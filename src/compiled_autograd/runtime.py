@@ -24,7 +24,7 @@ from .cache.dynamic import plan_capture
 from .cache.memory import CACHE
 from .compile import background
 from .config import Config
-from .errors import BackendOutputError, CompiledAutogradError, Fallback
+from .errors import BackendOutputError, CompiledAutogradError, Fallback, LearnLayouts
 from .observe import captures, reasons
 from .observe.stats import LOCK, STATS
 from .replay.run import GCPause, apply, check_outputs, run_graph
@@ -230,6 +230,8 @@ class _OneBackward:
             try:
                 history = tuple(e.sizes for e in fam.entries()) if fam is not None else ()
                 got = capture_and_compile(cfg, collected, key, mask, reason, history, self.create_graph, layouts)
+            except LearnLayouts:
+                raise
             except Exception:
                 if mask is None or cfg.fullgraph:
                     raise
@@ -246,7 +248,8 @@ class _OneBackward:
                 results, self.recorded = first, True
                 del first
             else:
-                results = run_graph(entry, self.capture, self.lifted, self.extra, collected.hooks, free_on_failure=not self.keep_graph, observed=self.observed)
+                results = run_graph(entry, self.capture, self.lifted, self.extra, collected.hooks, free_on_failure=not self.keep_graph,
+                                    observed=self.observed, keep_graph=self.keep_graph)
         except BaseException:
             background.start_compile_of(entry, run=False)
             raise
@@ -287,9 +290,10 @@ class _OneBackward:
             elif releases[0][0] == -1:
                 capture.release_nodes(releases[0][1])
             self.released = True
-            results = run_graph(entry, capture, args, [], collected.hooks, releases, observed=self.observed)
+            results = run_graph(entry, capture, args, [], collected.hooks, releases, observed=self.observed, keep_graph=self.keep_graph)
         else:
-            results = run_graph(entry, capture, self.lifted, self.extra, collected.hooks, free_on_failure=not self.keep_graph, observed=self.observed)
+            results = run_graph(entry, capture, self.lifted, self.extra, collected.hooks, free_on_failure=not self.keep_graph,
+                                observed=self.observed, keep_graph=self.keep_graph)
         if self.observed and learned.learn_layouts(self.key, self.observed):
             self.fam.remove(entry)  # the next backward captures again, in the layouts seen
         return results
@@ -314,6 +318,12 @@ class _OneBackward:
                     f"needs in the forward, or run this backward without compiled_autograd. ({e})"
                 ) from e
             raise e
+        if isinstance(e, LearnLayouts):  # NOTE [Nodes made opaque by their trace] (cache/learned.py)
+            watch = [(i, capture.node_object(i)) for i in e.idxs]
+            self.lifted = self.collected = None
+            capture.clear()
+            pause.resume()
+            return learned.learn_node_layouts(key, watch, eager)
         self.lifted = self.collected = None  # (eager frees the saved tensors as it goes)
         capture.clear()
         pause.resume()

@@ -353,6 +353,9 @@ class Plan:
     # (slot, node indices) per call after which the ctx attributes of those custom Function
     # nodes (traced, so read when the backward started) are checked: a hook may rebind one
     ctx_checks: tuple = ()
+    # create_graph=True: the AccumulateGrad nodes whose leaf's tensor hooks run as their grad is
+    # applied, after the graph (NOTE [A leaf's hooks under create_graph], capture/create_graph.py)
+    leaf_hooks: tuple = ()
 
     @functools.cached_property
     def release_after(self) -> dict | None:

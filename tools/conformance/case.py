@@ -228,7 +228,9 @@ def _run_case(subject: Subject, res: CaseResult, *, backend, mode, dtype, seed, 
         return
     s1 = ca.stats()
     first = _stats_delta(s0, s1)
-    bad, strides = _compare(got, want, labels, dtype, tol)
+    drifts: list = []
+    bad, strides = _compare(got, want, labels, dtype, tol, drifts)
+    res.drift = max(drifts, default=0.0)
     res.stride_mismatch = strides
     if bad is not None:
         res.captures, res.hits = first["captures"], first["hits"]
@@ -262,7 +264,7 @@ def _disk_round_trip(once, res, want2, labels, dtype, tol) -> None:
         return
     d = _stats_delta(s4, ca.stats())
     res.disk = "fallback" if d["fallbacks"] else ("hit" if d["disk_hits"] else "miss (traced again)")
-    bad, _ = _compare(got3, want2, labels, dtype, tol)
+    bad, _ = _compare(got3, want2, labels, dtype, tol, [])
     if bad is not None:
         res.status, res.reason = "wrong", f"disk cache round trip ({res.disk}): {bad}"
 
@@ -289,7 +291,9 @@ def _second_values(once, res, pert, originals, labels, dtype, seed, sig, s0, fir
             res.status, res.reason = "error", f"second value set: {_exc_line(e)}"
             return None
         s3 = ca.stats()
-        bad, strides = _compare(got2, want2, labels, dtype, tol)
+        drifts: list = []
+        bad, strides = _compare(got2, want2, labels, dtype, tol, drifts)
+        res.drift = max([res.drift, *drifts])
         if bad is not None:
             res.status = "wrong"
             res.reason = f"second value set (cache {'hit' if s3.hits > s2.hits else 'miss'}): {bad}"

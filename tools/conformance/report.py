@@ -32,6 +32,7 @@ class CaseResult:
     captures: int = 0
     hits: int = 0
     seconds: float = 0.0
+    drift: float = 0.0  # create_graph: the largest second-order drift, in eps (NOTE [The contract of a second-order gradient])
 
     @property
     def counted_status(self) -> str:
@@ -75,7 +76,7 @@ def totals(cases: Sequence[CaseResult]) -> dict:
     return t
 
 
-_OPTIONAL_FIELDS = ("recapture_reason", "stride_mismatch", "captures", "hits", "disk")
+_OPTIONAL_FIELDS = ("recapture_reason", "stride_mismatch", "captures", "hits", "disk", "drift")
 
 
 def to_json(report: Report) -> dict:

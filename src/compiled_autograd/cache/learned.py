@@ -12,6 +12,7 @@ import torch
 from .. import values
 from ..observe.stats import LOCK, STATS
 from ..values import NodeKind
+from ..nodes.builtin import other_path
 from ..nodes.saved_tensors import Learn
 
 log = logging.getLogger("compiled_autograd")
@@ -62,6 +63,27 @@ def learn_layouts(key, observed: dict) -> bool:
 
 
 NODE_LAYOUTS: dict = {}  # key -> {(node, output): layout seen}: the opaque nodes' outputs
+NODE_LEARNED: dict = {}  # key -> the opaque nodes whose outputs a learning backward watched
+
+
+def unlearned_opaque(key, opaque) -> list:
+    """NOTE [Nodes made opaque by their trace]
+    `opaque_outputs_to_learn` watches the nodes known to be opaque before the capture (C++
+    Functions, those `enable(opaque=...)` names, Functions whose state no key can hold). A node
+    can also become opaque while the capture traces it: a custom Function whose backward fails
+    on fakes (`torch.sparse_coo_tensor` with `check_sparse_tensor_invariants` enabled reads its
+    indices' data). Its outputs were predicted contiguous, and a replay copied what came in
+    another layout into that one: a sparse grad became a dense one, which eager never gives
+    (hooks got a dense tensor, a sparse `.grad` turned dense). So a capture that made a user's
+    Function opaque because its backward could not be traced, where no backward has shown its
+    outputs yet, is not compiled: this backward runs in eager autograd to learn them
+    (`learn_node_layouts`, counted in learning_backwards) and the next is captured with them
+    (capture/entry.py). (A built-in formula or a torch.compile'd region that its trace made
+    opaque returns dense grads, and a Function made opaque for another reason was traced: a
+    strided layout other than predicted is copied and learned from the replay, as a hook's.)
+    `opaque`: Plan.opaque's rows of such nodes; returns those not learned yet."""
+    seen = NODE_LEARNED.get(key, ())
+    return [i for i, _, _ in opaque if i not in seen]
 
 
 def layouts_of(key) -> dict:
@@ -79,6 +101,7 @@ def opaque_outputs_to_learn(cfg, key, collected) -> list:
     capture = collected.capture
     idxs = [i for i, n in enumerate(collected.nodes) if n.execute and (n.opaque or (n.name in cfg.opaque and n.kind != NodeKind.ACCUMULATE))]
     idxs += [i for i, info in collected.pynodes.items() if info.opaque_reason is not None and i not in idxs]
+    idxs += [i for i in other_path(collected, False) if i not in idxs]  # NOTE [Formulas that take another path when traced]
     if not idxs:
         NODE_LAYOUTS[key] = {}
         return []
@@ -100,6 +123,7 @@ def learn_node_layouts(key, watch, eager):
         return post
 
     handles = [node.register_hook(observer(idx)) for idx, node in watch]
+    idxs = {idx for idx, _ in watch}
     del watch
     log.info("eager backward to learn the layouts of %d opaque nodes' outputs", len(handles))
     try:
@@ -109,7 +133,10 @@ def learn_node_layouts(key, watch, eager):
             h.remove()
     if len(NODE_LAYOUTS) >= 1024:
         NODE_LAYOUTS.pop(next(iter(NODE_LAYOUTS)))
-    NODE_LAYOUTS[key] = seen
+    if len(NODE_LEARNED) >= 1024 and key not in NODE_LEARNED:
+        NODE_LEARNED.pop(next(iter(NODE_LEARNED)))
+    NODE_LAYOUTS[key] = {**NODE_LAYOUTS.get(key, {}), **seen}
+    NODE_LEARNED[key] = set(NODE_LEARNED.get(key, ())) | idxs
     with LOCK:
         STATS.learning_backwards += 1
     return result
@@ -123,5 +150,6 @@ def reset() -> None:
     CHURN.clear()
     LAYOUTS.clear()
     NODE_LAYOUTS.clear()
+    NODE_LEARNED.clear()
     _relayouts.clear()
     layout_reasons.clear()

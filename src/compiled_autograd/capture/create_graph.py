@@ -36,10 +36,24 @@ products, meta-learning. Ours:
   * AccumulateGrad applies the results in grad mode: it clones into `.grad`
     and adds out of place, as eager does under create_graph.
 
-What it does not take (falls back, with its reason): hooks, opaque nodes and
-saved-tensor hooks (their calls would run again, or return tensors without
-their autograd history). Its graphs are static (each new size is a new graph)
-and are not stored on disk.
+What it does not take (falls back, with its reason): hooks other than a leaf's
+own (below), opaque nodes and saved-tensor hooks (their calls would run again, or
+return tensors without their autograd history). Its graphs are static (each new
+size is a new graph) and are not stored on disk.
+
+NOTE [A leaf's hooks under create_graph]
+A leaf's tensor hooks (`param.register_hook`) and post-accumulate-grad hooks run
+in its AccumulateGrad's step, and what they see and return goes nowhere but into
+its `.grad`: nothing in the graph reads it. So under create_graph they need no
+call inside the graph (which the differentiable graph cannot have): the leaf's
+grad is a graph result, and after the graph each leaf, in engine order, gets its
+tensor hooks called on that result (in grad mode, as the engine calls them then:
+the hooks see, and may return, a tensor with its history) and then its
+AccumulateGrad, which runs its post-accumulate-grad hooks. Nothing else of the
+backward is observable to them that eager would show otherwise: no other hook or
+opaque node runs (those fall back), and only AccumulateGrad writes a `.grad`, in
+the same order. A leaf's hooks when `inputs=` captures its grad instead
+(`torch.autograd.grad`) are still a call in the graph: that falls back.
 """
 
 from __future__ import annotations

@@ -13,17 +13,20 @@ from ..compile import backends, child
 from ..compile.backends import may_steal
 from ..compile.boxed import static_fakes
 from ..config import Config
-from ..errors import Fallback
+from ..cache import learned
+from ..nodes import compiled_region
+from ..errors import Fallback, LearnLayouts
 from ..observe.captures import describe_dynamic, log_capture, node_keys
 from ..observe.logs import compile_status
 from ..observe.stats import LOCK, STATS
 from ..replay.graph_task import in_graph_task
 from ..replay.validate import expected_outputs
+from ..nodes import builtin
 from ..values import NodeSummary
 from .create_graph import split_joint
 from ..errors import NotTwiceDifferentiable
 from .fakes import guards_of
-from .trace import capture_backward
+from .trace import capture_backward, leaf_hooks_only
 
 log = logging.getLogger("compiled_autograd")
 
@@ -33,13 +36,29 @@ def create_graph_unsupported(collected) -> str | None:
     if collected.unpacked:
         return "create_graph=True with saved-tensor hooks"
     for n in collected.nodes:
-        if n.hooks.any:
+        if n.hooks.any and not leaf_hooks_only(n):  # NOTE [A leaf's hooks under create_graph]
             return "create_graph=True with hooks"
         if n.opaque:
             return "create_graph=True with an opaque node"
     if any(info.opaque_reason for info in collected.pynodes.values()):
         return "create_graph=True with an opaque node"
+    other = builtin.other_path(collected, True)  # NOTE [Formulas that take another path when traced]
+    if other:
+        return f"create_graph=True with a node that runs opaquely: {next(iter(other.values()))}"
     return None
+
+
+def _untraced_user_function(collected, idx, name, why) -> bool:
+    """Whether opaque node `idx` is a custom Function of the user's whose backward the trace
+    could not run (nodes/function.py), so that nothing told how its grads are laid out: it may
+    return one in any layout (a sparse one). Not a torch.compile'd region's, whose grads are
+    dense; not one made opaque for another reason after its trace ran."""
+    info = collected.pynodes.get(idx)
+    return (
+        info is not None
+        and " backward not traceable: " in why
+        and not compiled_region.is_compiled_function(collected.capture.node_object(idx)._forward_cls)
+    )
 
 
 class Miss(NamedTuple):
@@ -65,6 +84,11 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
         raise Fallback(f"create_graph=True through a node eager cannot differentiate twice ({e})") from e
     if create_graph and captured.plan.slots:
         raise Fallback("create_graph=True with an opaque node")
+    if captured.results is None and not create_graph:
+        # (a live record's results are this backward's: it ran; it makes no node opaque)
+        unseen = learned.unlearned_opaque(key, [o for o in captured.plan.opaque if _untraced_user_function(collected, *o)])
+        if unseen:  # NOTE [Nodes made opaque by their trace] (cache/learned.py)
+            raise LearnLayouts(unseen)
     vjp, how = None, None
     if create_graph:
         how = "no result requires grad: applied in grad mode, nothing to differentiate"

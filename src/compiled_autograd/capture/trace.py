@@ -45,7 +45,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..errors import NeedsOpaque, NotTwiceDifferentiable
-from ..nodes import TRACE_RULES, accumulate, compiled_region, function, hooks, opaque, saved_tensors
+from ..nodes import TRACE_RULES, accumulate, builtin, compiled_region, function, hooks, opaque, saved_tensors
 from ..replay import calls as ops
 from ..values import NodeKind, Plan, Slot
 from ..walk.collect import Collected
@@ -62,7 +62,7 @@ MAX_OPAQUE_RETRIES = 16  # traces of one backward, each making one more node opa
 
 
 class _BackwardTracer:
-    def __init__(self, collected: Collected, opaque_extra: dict[int, str], size_inputs=(), layouts=None):
+    def __init__(self, collected: Collected, opaque_extra: dict[int, str], size_inputs=(), layouts=None, create_graph=False):
         self.c = collected
         self.layouts = layouts or {}  # (slot, output) -> dim order seen at run time (_layout)
         self.size_inputs = tuple(size_inputs)
@@ -75,8 +75,12 @@ class _BackwardTracer:
         self.ctx_checks: dict = {}  # slot -> custom Function nodes whose ctx is checked after it
         self.results: list = []
         self.accumulate: list = []
+        # create_graph=True: a leaf's own hooks run as its grad is applied, after the graph
+        # (NOTE [A leaf's hooks under create_graph], capture/create_graph.py)
+        self.leaf_hooks: list = []
+        self.late = create_graph and all(not n.hooks.any or leaf_hooks_only(n) for n in self.nodes)
         self.in_graph_accumulate = collected.grad_on_ctx or any(
-            (opaque.is_opaque(self, i) and opaque.may_read_grads(self, i)) or n.hooks.any for i, n in enumerate(self.nodes)
+            (opaque.is_opaque(self, i) and opaque.may_read_grads(self, i)) or (n.hooks.any and not self.late) for i, n in enumerate(self.nodes)
         )
 
 
@@ -213,7 +217,9 @@ class _BackwardTracer:
             if kind == ACCUMULATE_KIND and self.in_graph_accumulate and (on.tensor_pre or on.retains) and not on.pre and not on.post:
                 v = values[0]
                 hooked = v if v is not None and v.bits is None else None
-            if (on.tensor_pre or on.retains) and hooked is None:
+            if kind == ACCUMULATE_KIND and self.late and on.tensor_pre:
+                self.leaf_hooks.append(idx)  # (called as its grad is applied)
+            elif (on.tensor_pre or on.retains) and hooked is None:
                 values = hooks.call(self, ops.TENSOR_PRE_HOOKS, idx, values)
             if on.pre:
                 values = hooks.call(self, ops.PRE_HOOKS, idx, values)
@@ -296,9 +302,10 @@ def _capture_backward(collected: Collected, opaque_names: tuple = (), mask=None,
     engine runs them then, on fakes that require grad where the real tensors do.
     `live`: the caller will take a live record's results as this backward's (NOTE [Recording
     on the real tensors]); otherwise running the ops for real would only cost time."""
-    opaque_extra: dict[int, str] = {
-        i: "marked opaque" for i, n in enumerate(collected.nodes) if n.name in opaque_names and n.kind != ACCUMULATE_KIND
-    }
+    opaque_extra: dict[int, str] = builtin.other_path(collected, create_graph)  # NOTE [Formulas that take another path when traced]
+    opaque_extra.update(
+        {i: "marked opaque" for i, n in enumerate(collected.nodes) if n.name in opaque_names and n.kind != ACCUMULATE_KIND}
+    )
     recording = RECORD
     live = live and recording and LIVE and mask is None and not create_graph and not opaque_extra and _all_built_in(collected)
     refused: list = []  # why a cheaper way was left: the live record's, the fake record's
@@ -309,7 +316,7 @@ def _capture_backward(collected: Collected, opaque_names: tuple = (), mask=None,
             if captured is not None:
                 return captured
         mode, shape_env, fakes, symints, size_inputs, real_mask = fake_inputs(collected, mask, history)
-        tracer = _BackwardTracer(collected, opaque_extra, size_inputs, layouts)
+        tracer = _BackwardTracer(collected, opaque_extra, size_inputs, layouts, create_graph)
         out: dict[str, Any] = {}
 
         def backward_graph(*args):
@@ -373,6 +380,7 @@ def _plan(gm, tracer, collected, captured, differentiable, num_results) -> Plan:
         num_results=num_results,
         differentiable=differentiable,
         releases=_releases(tracer.slots, tracer.nodes),
+        leaf_hooks=tuple(tracer.leaf_hooks),
     )
 
 
@@ -381,6 +389,13 @@ def _plan(gm, tracer, collected, captured, differentiable, num_results) -> Plan:
 # (NOTE [Recording on the real tensors])
 RECORD = os.environ.get("COMPILED_AUTOGRAD_RECORD", "1") != "0"
 LIVE = os.environ.get("COMPILED_AUTOGRAD_RECORD_LIVE", "1") != "0"
+
+
+def leaf_hooks_only(n) -> bool:
+    """Whether node row `n` is an AccumulateGrad that the backward runs whose hooks are its leaf's
+    tensor hooks and post-accumulate-grad hooks only (NOTE [A leaf's hooks under create_graph])."""
+    on = n.hooks
+    return n.kind == ACCUMULATE_KIND and n.execute and not (on.retains or on.pre or on.post)
 
 
 def _all_built_in(collected) -> bool:

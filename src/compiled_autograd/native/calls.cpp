@@ -4,6 +4,7 @@
 
 #include "capture.h"
 
+#include <ATen/SparseTensorImpl.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Dtype.h>
@@ -26,13 +27,28 @@ StorageSet::StorageSet(const py::list& tensors) {
   }
 }
 
+// A sparse COO tensor has no storage of its own: its memory is its indices' and values'
+// (AccumulateGrad steals a sparse grad by taking those two, eager's case 1.2), so those are
+// what is added and looked up. Any other tensor without storage counts as one of the set.
+static const at::SparseTensorImpl* sparse_impl(const at::Tensor& t) {
+  return t.layout() == at::kSparse ? dynamic_cast<const at::SparseTensorImpl*>(t.unsafeGetTensorImpl()) : nullptr;
+}
+
 void StorageSet::add(const at::Tensor& t) {
+  if (const auto* sparse = sparse_impl(t)) {
+    add(sparse->indices());
+    add(sparse->values());
+    return;
+  }
   if (t.has_storage() && ids.insert(t.storage().unsafeGetStorageImpl()).second) {
     refs.push_back(t.storage().getWeakStorageImpl());
   }
 }
 
 bool StorageSet::contains(const at::Tensor& t) const {
+  if (const auto* sparse = sparse_impl(t)) {
+    return contains(sparse->indices()) || contains(sparse->values());
+  }
   return !t.has_storage() || ids.count(t.storage().unsafeGetStorageImpl()) > 0;
 }
 

@@ -347,7 +347,8 @@ class Tracer {
 // identity. Weak references pin their StorageImpls for the graph's run: a boxed graph frees
 // inputs as it goes, and a new grad may get a freed input's memory (by data address it read
 // as that input, and was copied: a flaky extra copy) but never its StorageImpl while a weak
-// reference holds it. A tensor without storage counts as one of them (never stolen).
+// reference holds it. A sparse COO tensor's storages are its indices' and values'; another
+// tensor without storage counts as one of them (never stolen).
 // (calls.cpp)
 struct StorageSet {
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> refs;

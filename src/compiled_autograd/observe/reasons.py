@@ -58,6 +58,8 @@ OPAQUES = (
          ("torch.compile'd region",)),
     Kind("tensor without data", "it keeps a tensor without data (NOTE [Lifted tensors without data])", ("without data", "meta")),
     Kind("C++ node", "a node whose state torch does not expose (a C++ custom Function)", ("CppNode", "C++", "no compiled_args")),
+    Kind("another path when traced", "its formula rounds otherwise on traced tensors than eager's (NOTE [Formulas that take "
+         "another path when traced], nodes/builtin.py)", ("another path when traced",)),
     Kind("not traceable", "its backward cannot run on fake tensors (data-dependent shapes, .item(), numpy, a missing meta kernel)",
          ("not traceable", "backward returned", "gradient for a non-tensor")),
 )

@@ -19,6 +19,21 @@ import threading
 import torch
 
 _pool = threading.local()  # per thread: the one-node graphs not running now
+_ENGINE = torch.autograd.Variable._execution_engine
+
+# NOTE [No Python object in the backward's thread-local state]
+# torch's _engine_run_backward stashes the caller's contextvars context in the thread-local
+# state for the engine's device threads. Work launched during the backward captures that state:
+# DDP's reducer and FSDP2's reduce-scatter start collectives from hooks, and each gloo work
+# holds a copy of it. When the last reference to such a work goes in a gloo worker thread, its
+# state's destructor needs the GIL to drop the context. At exit, with the model still alive at
+# destroy_process_group(), the main thread holds the GIL in ~Reducer -> ~ProcessGroupGloo ->
+# std::thread::join while the worker waits for it in ~AsyncAllreduceWork ->
+# ~ThreadLocalState: the job hangs for good (eager's too: 6 runs in 20 on a 2-core machine).
+# Our graphs call hooks from the thread that called backward, inside a one-node CPU graph task
+# that no device thread runs, so nothing needs that context: the engine is called directly and
+# the collectives our graphs start carry no Python object
+# (tests/test_hooks_calls.py::test_hooks_called_from_a_graph_see_no_python_object_in_the_thread_local_state).
 
 
 def _one_node_graph():
@@ -43,7 +58,14 @@ def _one_node_graph():
     return root, torch.ones(()), box
 
 
-def in_graph_task(fn):
+def in_graph_task(fn, keep_graph=True):
+    """`fn()` inside a one-node graph task that keeps its graph as the backward it serves does
+    (`keep_graph`: its retain_graph, or create_graph): code inside reads it
+    (`torch._C._autograd._get_current_graph_task_keep_graph()`). A torch.compile'd region's
+    backward run as is inside our graph compiles for it, and refuses to run when its graph is
+    kept and it donates buffers (AOTAutograd's "non-empty donated buffers ... requires
+    retain_graph=False"), which eager runs. (The one node saves nothing: a task that does not
+    keep it leaves it reusable.)"""
     graph = _one_node_graph()
     root, one, box = graph
     box["fn"] = fn
@@ -52,7 +74,9 @@ def in_graph_task(fn):
         # backward (no `inputs`): its exec_info is empty, so nodes run inside
         # compute every gradient their edges need (task_should_compute_output),
         # and reentrant checkpointing accepts it. (The seed's .grad counts the runs.)
-        torch.autograd.graph._engine_run_backward((root,), (one,), True, False, (), True, True)
+        # Called directly, not through torch's _engine_run_backward: NOTE [No Python object
+        # in the backward's thread-local state].
+        _ENGINE.run_backward((root,), (one,), keep_graph, False, (), True, True)
         return box["value"]
     finally:
         box.clear()

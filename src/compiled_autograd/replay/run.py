@@ -15,10 +15,11 @@ from .graph_task import in_graph_task
 from .validate import backend_output_error, mismatches
 
 
-def run_graph(entry: CompiledBackward, capture, lifted, extra, hooks, releases=(), free_on_failure=False, observed=None):
+def run_graph(entry: CompiledBackward, capture, lifted, extra, hooks, releases=(), free_on_failure=False, observed=None, keep_graph=True):
     if entry.plan.differentiable is not None and any(entry.plan.differentiable):
         with torch.enable_grad():  # the engine's grad mode under create_graph
-            return list(DifferentiableGraph.apply(entry, extra, *lifted))
+            outs = list(DifferentiableGraph.apply(entry, extra, *lifted))
+        return _fresh_leaves(outs, entry.plan.differentiable)
     args = list(lifted) + extra if extra else lifted
 
     # NOTE [Stealing a fresh grad] (replay/calls.py): the storages of the graph's inputs, which a
@@ -51,8 +52,24 @@ def run_graph(entry: CompiledBackward, capture, lifted, extra, hooks, releases=(
     if entry.plan.slots:
         # hooks and opaque nodes run inside: give them the engine context they
         # expect (graph task id, queue_callback), as eager does
-        return in_graph_task(run)
+        return in_graph_task(run, keep_graph)
     return run()
+
+
+def _fresh_leaves(outs: list, differentiable: tuple) -> list:
+    """NOTE [Results differentiable through a leaf the backward made]
+    Under create_graph a backward may return a tensor whose history starts at a tensor it made
+    itself requiring grad (`torch.ones_like(g, requires_grad=True) * 3`): eager's result
+    requires grad, and so does the `.grad` it is accumulated into (old + new, out of place),
+    which a meta-learning step differentiates. DifferentiableGraph's outputs require grad only
+    through its inputs, so where no input does, such a result came out as a plain tensor and
+    `.grad` lost its history. The trace knows (Plan.differentiable): such a result is made a
+    leaf that requires grad, as the one the backward made is. (A second backward into it
+    reaches only that leaf, as eager's reaches only the backward's own: no user tensor.)"""
+    for i, d in enumerate(differentiable):
+        if d and isinstance(outs[i], torch.Tensor) and not outs[i].requires_grad:
+            outs[i] = outs[i].detach().requires_grad_()
+    return outs
 
 
 def release_completed(capture, plan, slot) -> None:
@@ -94,6 +111,17 @@ def apply(entry: CompiledBackward, capture, results: list):
         if f < 0 or bool(results[f]):
             acc.append((node, r))
     captured = [r if (f < 0 or bool(results[f])) else -1 for r, f in plan.captured]
+    if plan.leaf_hooks:
+        # NOTE [A leaf's hooks under create_graph] (capture/create_graph.py): in engine order,
+        # each leaf's tensor hooks (in grad mode, as the engine runs them then) and its
+        # AccumulateGrad, on the differentiable result
+        hooked = set(plan.leaf_hooks)
+        for node, r in acc:
+            if node in hooked:
+                with torch.enable_grad():
+                    results[r] = capture.call_tensor_pre_hooks(node, [results[r]])[0]
+            capture.apply_results(results, [(node, r)], [])
+        acc = []
     return capture.apply_results(results, acc, captured)
 
 
