@@ -36,6 +36,17 @@ class LearnLayouts(Exception):
         self.idxs = tuple(idxs)
 
 
+class ResumeHere(Exception):
+    """A call of a graph's first run returned an output in another layout than the graph was
+    traced with: the run stops there and the backward goes on in eager's order (NOTE [A call
+    output in another layout on a graph's first run], capture/resume.py). `outs`: what the call
+    returned, per output; `args`: what it was given."""
+
+    def __init__(self, slot: int, outs: list, args: list):
+        super().__init__(f"call {slot} returned another layout than traced")
+        self.slot, self.outs, self.args = slot, outs, args
+
+
 class NotTwiceDifferentiable(Exception):
     """create_graph=True through a part of the backward eager records as an error node."""
 

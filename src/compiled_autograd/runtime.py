@@ -240,6 +240,7 @@ class _OneBackward:
             entry, first = got.entry, got.results
             del got
         self.entry = entry
+        first_run = None
         try:
             self.extra = entry.dynamic.extra_args(collected.sizes) if entry.dynamic else []
             if first is not None:
@@ -248,12 +249,17 @@ class _OneBackward:
                 results, self.recorded = first, True
                 del first
             else:
+                if entry.plan.resume:  # NOTE [A call output in another layout on a graph's first run] (capture/resume.py)
+                    from .capture.resume import first_run as resumable_run
+
+                    first_run, self.recorded = resumable_run(entry, collected), True  # (the entry's function runs next time)
                 results = run_graph(entry, self.capture, self.lifted, self.extra, collected.hooks, free_on_failure=not self.keep_graph,
-                                    observed=self.observed, keep_graph=self.keep_graph)
+                                    observed=self.observed, keep_graph=self.keep_graph, first_run=first_run)
         except BaseException:
             background.start_compile_of(entry, run=False)
             raise
-        if self.observed and learned.learn_layouts(key, self.observed):
+        resumed = getattr(first_run, "resumed", False)
+        if self.observed and learned.learn_layouts(key, self.observed, copied=not resumed):
             # (not cached: the next backward captures again, in the layouts seen)
             background.start_compile_of(entry, run=False)
             pkey = None

@@ -324,6 +324,21 @@ class Slot(NamedTuple):
         return self.kind == POST_HOOKS
 
 
+class ResumePoint(NamedTuple):
+    """Where a graph's first run can stop at a call and go on in eager's order (NOTE [A call
+    output in another layout on a graph's first run], capture/resume.py): what the trace held
+    when it made the call, by the names of the graph's nodes that hold it."""
+
+    slot: int
+    node: int  # the node in whose step the call runs
+    kind: str  # TENSOR_PRE_HOOKS, PRE_HOOKS, POST_HOOKS or NODE: the step goes on after it
+    # the grads waiting for later nodes: (node, input_nr, value's name, definedness) each;
+    # definedness None (defined), or ((flag's name, position), ...): defined iff any is set
+    frontier: tuple
+    n_result_calls: int  # the trace's results made before the call (Plan.result_calls)
+    results: tuple  # (result index, name) of those results and their flags
+
+
 @dataclass(frozen=True)
 class Plan:
     """How to run and apply one captured graph (part of its cache entry)."""
@@ -356,6 +371,11 @@ class Plan:
     # create_graph=True: the AccumulateGrad nodes whose leaf's tensor hooks run as their grad is
     # applied, after the graph (NOTE [A leaf's hooks under create_graph], capture/create_graph.py)
     leaf_hooks: tuple = ()
+    # the first run's resume points and, per result the trace made (in its order), (result
+    # index, flag index), -1 for none (NOTE [A call output in another layout on a graph's
+    # first run], capture/resume.py)
+    resume: tuple = ()
+    result_calls: tuple = ()
 
     @functools.cached_property
     def release_after(self) -> dict | None:

@@ -42,12 +42,14 @@ layout_reasons: dict = {}  # key -> the reason of its next capture
 MAX_RELAYOUTS = 3  # then a key keeps its graph and copies what comes in another layout
 
 
-def learn_layouts(key, observed: dict) -> bool:
-    """Count the outputs a replay copied into their traced layout; remember the dense layouts
-    they had. True when that is new for this key: its graph is then dropped and the next
-    backward captures again, in those layouts (NOTE [Layouts of call outputs], replay/calls.py)."""
+def learn_layouts(key, observed: dict, copied: bool = True) -> bool:
+    """Count the outputs a replay copied into their traced layout (`copied`: not where the run
+    stopped at them instead, NOTE [A call output in another layout on a graph's first run] in
+    capture/resume.py); remember the dense layouts they had. True when that is new for this
+    key: its graph is then dropped and the next backward captures again, in those layouts
+    (NOTE [Layouts of call outputs], replay/calls.py)."""
     with LOCK:
-        STATS.layout_copies += len(observed)
+        STATS.layout_copies += len(observed) if copied else 0
     seen = {where: order for where, order in observed.items() if order is not None}
     table = LAYOUTS.get(key, {})
     new = {where: order for where, order in seen.items() if table.get(where) != order}

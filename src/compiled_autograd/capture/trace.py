@@ -53,6 +53,7 @@ from ..observe.stats import LOCK, STATS
 from .fakes import fake_inputs
 from .record import Recorder, record
 from .grads import _sum, _union, _Value, defined
+from . import resume
 from .passes import _mark_fresh_grads, _mark_shared_args, _order_reads_before_calls, _passable, _releases, _version_checked
 
 log = logging.getLogger("compiled_autograd")
@@ -79,6 +80,12 @@ class _BackwardTracer:
         # (NOTE [A leaf's hooks under create_graph], capture/create_graph.py)
         self.leaf_hooks: list = []
         self.late = create_graph and all(not n.hooks.any or leaf_hooks_only(n) for n in self.nodes)
+        # NOTE [A call output in another layout on a graph's first run] (capture/resume.py)
+        self.result_calls: list = []  # (result index, flag index) per _result, in order
+        self.resume_points: list = []  # what the trace held at each call the first run may stop at
+        self.resumable = not create_graph and resume.resumable(collected)
+        self.buffers: dict = {}
+        self.resumed_inputs: list = []  # a resumed step's node inputs (_step)
         self.in_graph_accumulate = collected.grad_on_ctx or any(
             (opaque.is_opaque(self, i) and opaque.may_read_grads(self, i)) or (n.hooks.any and not self.late) for i, n in enumerate(self.nodes)
         )
@@ -86,6 +93,11 @@ class _BackwardTracer:
 
     # -- graph results -------------------------------------------------------
     def _result(self, v: _Value | None) -> tuple[int, int]:
+        rf = self._new_result(v)
+        self.result_calls.append(rf)
+        return rf
+
+    def _new_result(self, v: _Value | None) -> tuple[int, int]:
         if v is None:
             return -1, -1
         self.results.append(v.t)
@@ -124,6 +136,10 @@ class _BackwardTracer:
         if in_flags:
             args = list(args) + [self._defined_each(values)]
         self.slots.append(Slot(kind, node, mask, in_flags, at=self.at))
+        if self.resumable and kind in resume.KINDS and any(mask):
+            point = resume.held(self, slot, kind)
+            if point is not None:
+                self.resume_points.append(point)
         metas = [self._layout(slot, k, m) for k, m in enumerate(m for m in out_metas if m is not None)]
         keeps = flags if keeps is None else keeps
         bits = (ops.DEFINEDNESS if flags else 0) | (ops.KEEPS_INPUTS if keeps else 0) | ops.FREED_NOT_REUSED | ops.DIRECT
@@ -153,7 +169,9 @@ class _BackwardTracer:
 
 
     # -- the loop -------------------------------------------------------------
-    def run(self, args):
+    def run(self, args, body=None):
+        """The trace of the whole backward on `args` (or `body()`, with the same set-up: a
+        resumed run, capture/resume.py)."""
         c, capture = self.c, self.capture
         n = len(c.lifted)
         sym = [None] * c.n_size_inputs
@@ -177,42 +195,50 @@ class _BackwardTracer:
         unpacked = [args[i] if i >= 0 else None for i in c.unpacked]
         capture.begin_trace(list(args[: c.n_native]), unpacked, functools.partial(saved_tensors.unpack_in_graph, self), sym)
         try:
-            return self._run(args)
+            return self._run(args) if body is None else body()
         finally:
             capture.end_trace()
 
 
     def _run(self, args):
         capture = self.capture
-        buffers: dict[int, list] = {}
-
-        def add(idx, nr, v: _Value | None):
-            if idx < 0 or v is None:
-                return
-            buf = buffers.setdefault(idx, [None] * self.nodes[idx].num_inputs)
-            buf[nr] = _sum(buf[nr], v)
-
+        self.buffers = {}  # node -> the grads waiting for it, per input (the engine's InputBuffers)
         roots = capture.roots()
         root_vals = capture.root_values([args[g] if g >= 0 else None for _, _, g in roots])
         for (idx, nr, _), t in zip(roots, root_vals):
-            add(idx, nr, None if t is None else _Value(t))
-
+            self._add(idx, nr, None if t is None else _Value(t))
         captured = [(-1, -1)] * capture.num_results()
         for idx, node in enumerate(self.nodes):
-            self.at = idx
-            on, kind = node.hooks, node.kind  # (the node's hook counts)
-            values = buffers.pop(idx, [None] * node.num_inputs)
-            # grad() captures what reaches a node: after its tensor pre-hooks when the node
-            # does not run, before them when it does (the engine's evaluate_function)
-            if not node.execute and (on.tensor_pre or on.retains):
-                values = hooks.call(self, ops.TENSOR_PRE_HOOKS, idx, values)
+            self._step(idx, self.buffers.pop(idx, [None] * node.num_inputs), args, captured)
+        return self.results, captured
+
+    def _add(self, idx, nr, v: _Value | None):
+        if idx < 0 or v is None:
+            return
+        buf = self.buffers.setdefault(idx, [None] * self.nodes[idx].num_inputs)
+        buf[nr] = _sum(buf[nr], v)
+
+    def _step(self, idx, values, args, captured, done=None):
+        """Node idx's step of the engine on the grads that reached it. `done`: the kind of the
+        call of this step that already ran, `values` then being what it returned (a step
+        resumed after it: NOTE [A call output in another layout on a graph's first run],
+        capture/resume.py)."""
+        node = self.nodes[idx]
+        self.at = idx
+        on, kind = node.hooks, node.kind  # (the node's hook counts)
+        # grad() captures what reaches a node: after its tensor pre-hooks when the node
+        # does not run, before them when it does (the engine's evaluate_function)
+        if done is None and not node.execute and (on.tensor_pre or on.retains):
+            values = hooks.call(self, ops.TENSOR_PRE_HOOKS, idx, values)
+        if done is None or (done == ops.TENSOR_PRE_HOOKS and not node.execute):
             for nr, out_idx in node.captures:
                 captured[out_idx] = self._result(values[nr])
-            if not node.execute:
-                continue
-            # a leaf's tensor hooks and its accumulation: one call (NOTE [A leaf's hooks and
-            # its accumulation in one call], replay/calls.py), where its grad is always defined
-            hooked = None
+        if not node.execute:
+            return
+        # a leaf's tensor hooks and its accumulation: one call (NOTE [A leaf's hooks and
+        # its accumulation in one call], replay/calls.py), where its grad is always defined
+        hooked = None
+        if done is None:
             # (not with post hooks on the node: they get the grads the tensor hooks returned)
             if kind == ACCUMULATE_KIND and self.in_graph_accumulate and (on.tensor_pre or on.retains) and not on.pre and not on.post:
                 v = values[0]
@@ -221,23 +247,25 @@ class _BackwardTracer:
                 self.leaf_hooks.append(idx)  # (called as its grad is applied)
             elif (on.tensor_pre or on.retains) and hooked is None:
                 values = hooks.call(self, ops.TENSOR_PRE_HOOKS, idx, values)
-            if on.pre:
-                values = hooks.call(self, ops.PRE_HOOKS, idx, values)
+        if done in (None, ops.TENSOR_PRE_HOOKS) and on.pre:
+            values = hooks.call(self, ops.PRE_HOOKS, idx, values)
+        if done in (ops.NODE, ops.POST_HOOKS):
+            outputs = [None if o is None else _Value(o) for o in values]
+            values = self.resumed_inputs  # (a resumed step: the node's inputs, for its post hooks)
+        elif kind == ACCUMULATE_KIND and hooked is not None:
+            self._call(ops.HOOKED_ACCUMULATE, idx, [hooked.t], [])
+            outputs = []
+        elif kind == ACCUMULATE_KIND:
+            accumulate.trace(self, idx, values[0])
+            outputs = []
+        else:
             in_bits = self._input_bits(values)
-            if kind == ACCUMULATE_KIND and hooked is not None:
-                self._call(ops.HOOKED_ACCUMULATE, idx, [hooked.t], [])
-                outputs = []
-            elif kind == ACCUMULATE_KIND:
-                accumulate.trace(self, idx, values[0])
-                outputs = []
-            else:
-                outputs = self._apply(idx, kind, values, args)
-                outputs = [None if o is None else (o if isinstance(o, _Value) else self._output_value(o, in_bits, values)) for o in outputs]
-            if on.post:
-                outputs = hooks.post_hooks(self, idx, outputs, values)
-            for (to, nr), v in zip(node.edges, outputs):
-                add(to, nr, v)
-        return self.results, captured
+            outputs = self._apply(idx, kind, values, args)
+            outputs = [None if o is None else (o if isinstance(o, _Value) else self._output_value(o, in_bits, values)) for o in outputs]
+        if on.post and done != ops.POST_HOOKS:
+            outputs = hooks.post_hooks(self, idx, outputs, values)
+        for (to, nr), v in zip(node.edges, outputs):
+            self._add(to, nr, v)
 
     @staticmethod
     def _input_bits(values):
@@ -381,6 +409,8 @@ def _plan(gm, tracer, collected, captured, differentiable, num_results) -> Plan:
         differentiable=differentiable,
         releases=_releases(tracer.slots, tracer.nodes),
         leaf_hooks=tuple(tracer.leaf_hooks),
+        resume=resume.points(gm, tracer),
+        result_calls=tuple(tracer.result_calls),
     )
 
 

@@ -546,7 +546,7 @@ py::object call_direct(int64_t slot, py::list args, py::list meta, int64_t flags
   }
   py::list outs;
   if (kind == CALL_ACCUMULATE || kind == CALL_HOOKED_ACCUMULATE) {
-    // (a second argument: its definedness, a bool tensor: calls._accumulate)
+    // (a second argument: its definedness, a bool tensor: calls.accumulate)
     bool defined = !given.empty() && given[0] != Py_None &&
         (given.size() < 2 || given[1] == Py_None || THPVariable_Unpack(given[1]).item<bool>());
     if (defined) {

@@ -34,6 +34,9 @@ def call(t, kind, idx, values: list, extra=()):
         if not flags:
             result.append(_Value(o, v.bits, exact=True))
             continue
+        if flag is None:  # (run for real: what came back is defined; capture/resume.py)
+            result.append(_Value(o))
+            continue
         if v.bits is None:
             bits = ((flag, k),)
         else:  # defined iff (any of v's flags) and this one

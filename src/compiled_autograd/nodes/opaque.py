@@ -58,6 +58,8 @@ def trace(t, idx, values):
     for o in outs:
         if o is None:
             result.append(None)
+        elif flag is None:  # (run for real: what came back is defined; capture/resume.py)
+            result.append(_Value(o))
         else:
             result.append(_Value(o, ((flag, k),), exact=True))
             k += 1

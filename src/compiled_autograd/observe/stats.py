@@ -40,6 +40,9 @@ class Stats:
     live_refusals:   captures a live record refused, traced on fakes instead
     layout_copies:   outputs of hooks, opaque nodes and unpack hooks copied into the layout
                      the graph was traced with (NOTE [Layouts of call outputs] in replay/calls.py)
+    layout_resumes:  first backwards of a graph in which a call returned another layout than
+                     traced, finished in eager's order from that call, bitwise (NOTE [A call output
+                     in another layout on a graph's first run] in capture/resume.py)
     """
 
     captures: int = 0
@@ -60,6 +63,7 @@ class Stats:
     compile_failures: int = 0
     child_compiles: int = 0
     layout_copies: int = 0
+    layout_resumes: int = 0
     make_fx_traces: int = 0
     live_records: int = 0
     live_refusals: int = 0
@@ -84,6 +88,7 @@ class Stats:
             compile_failures=self.compile_failures,
             child_compiles=self.child_compiles,
             layout_copies=self.layout_copies,
+            layout_resumes=self.layout_resumes,
             make_fx_traces=self.make_fx_traces,
             live_records=self.live_records,
             live_refusals=self.live_refusals,
@@ -93,6 +98,7 @@ class Stats:
         reasons = ", ".join(f"{r}: {n}" for r, n in self.fallback_reasons.most_common())
         learning = f"learning_backwards={self.learning_backwards} " if self.learning_backwards else ""
         learning += f"layout_copies={self.layout_copies} " if self.layout_copies else ""
+        learning += f"layout_resumes={self.layout_resumes} " if self.layout_resumes else ""
         learning += f"eager_while_compiling={self.eager_while_compiling} " if self.eager_while_compiling else ""
         return (
             f"captures={self.captures} (dynamic {self.dynamic_captures}) disk_hits={self.disk_hits} hits={self.hits} "

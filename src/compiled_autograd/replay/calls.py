@@ -35,11 +35,14 @@ always dense (a permutation of a contiguous tensor: a copy into it is exact):
   * an opaque node's: contiguous.
 At replay, an output in another layout is copied into the traced one
 (`stats().layout_copies`), and the dense layout it had is remembered for its
-graph and call (runtime.LAYOUTS): that graph is dropped and the next backward
-captures again in those layouts, after which it is bitwise eager's again (a few
-times per graph at most: a hook whose layout changes every step keeps its graph
-and its copies). So the one backward in which a hook first returns another
-layout than its grad's may differ from eager in the last bits, counted.
+graph and call (cache/learned.py LAYOUTS): that graph is dropped and the next
+backward captures again in those layouts, after which it is bitwise eager's again
+(a few times per graph at most: a hook whose layout changes every step keeps its
+graph and its copies). On a graph's first run the copy is not made: the run stops
+at that call and the backward goes on in eager's order from it (NOTE [A call
+output in another layout on a graph's first run], capture/resume.py). So only a
+backward in which a hook's layout changed after its graph's first run may differ
+from eager in the last bits, counted.
 
 NOTE [Outputs the graph owns]
 A compiler may treat an operator's outputs as its own buffers: inductor reuses
@@ -98,6 +101,7 @@ from ..values import (  # the call protocol; re-exported for the graphs' code an
     encode_meta,
     decode_meta,
 )
+from ..errors import ResumeHere
 from .checks import _check_ctx, _check_versions, _hooks_added_error, _shared_modified_error, _still_empty_error
 
 
@@ -106,6 +110,9 @@ class _Replay(threading.local):
         self.stack: list = []  # (capture, slots, autograd keys excluded, hooks, steal, keep) of the backwards running on this thread
         self.tasks: list = []  # the graph task id each of them runs its calls in
         self.last: list = []  # the slot of the last call each of them ran (None: none yet)
+        # the slots at which each of them may stop, on a graph's first run (NOTE [A call output
+        # in another layout on a graph's first run], capture/resume.py)
+        self.resumable: list = []
 
 
 _replay = _Replay()
@@ -136,7 +143,8 @@ def _set_exclude_set(want, current) -> list:
 class replaying:
     """Context of one compiled graph run: where its slots resolve."""
 
-    def __init__(self, capture, slots, hooks=(), steal=None, keep=False, versions=None, ctx=None, releases=None, observed=None):
+    def __init__(self, capture, slots, hooks=(), steal=None, keep=False, versions=None, ctx=None, releases=None, observed=None,
+                 resumable=None):
         self.task = torch._C._current_graph_task_id()  # in_graph_task's, when calls run
         # hooks: (unpack_hook, packed) per hooked saved tensor, for UNPACK slots;
         # steal: None, or the graph inputs' storages when ACCUMULATE calls may
@@ -154,6 +162,7 @@ class replaying:
         self.frame = ReplayFrame(capture, slots, torch._C._dispatch_tls_local_exclude_set(), hooks, steal, keep, versions, ctx, releases, observed)
 
         self.failed_at = None  # the slot of the last call started, when the graph raised
+        self.resumable = resumable or ()
 
     def __enter__(self):
         _replay.last.append(None)
@@ -164,12 +173,14 @@ class replaying:
             raise
         _replay.stack.append(self.frame)
         _replay.tasks.append(self.task)
+        _replay.resumable.append(self.resumable)
         return self
 
     def __exit__(self, exc_type, *exc):
         _native().pop_replay()
         _replay.stack.pop()
         _replay.tasks.pop()
+        _replay.resumable.pop()
         last = _replay.last.pop()
         if exc_type is not None:
             self.failed_at = last
@@ -239,18 +250,18 @@ def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
     undo = _set_exclude_set(outside, inside) if inside != outside else ()
     try:
         if kind in ACCUMULATES:
-            outs = _accumulate(capture, node, args, steal if fresh else None, kind == HOOKED_ACCUMULATE)
+            outs = accumulate(capture, node, args, steal if fresh else None, kind == HOOKED_ACCUMULATE)
         else:
             keeps = keep and flags & KEEPS_INPUTS
             # a grad a hook keeps (`seen.append(g)`) must not become `.grad` as it is: eager's
             # AccumulateGrad sees the hook's reference and copies (NOTE [Stealing a fresh grad])
             counts = [(a, sys.getrefcount(a)) for a in args if a is not None] if steal is not None and kind != UNPACK else ()
-            outs = _run_slot(capture, slot, kind, node, mask, args, meta, flags, hooks, shared if keeps else None, observed)
+            outs = _run_slot(capture, slot, kind, node, mask, args, meta, flags, hooks, shared if keeps else None, observed,
+                             slot in _replay.resumable[-1])
             for a, n in counts:
                 if sys.getrefcount(a) - sum(o is a for o in outs) > n:
                     steal.add(a)
-        if kind != UNPACK and capture.hooks_added(node, _STAGE[kind]):
-            _hooks_added_error(kind, capture, node)
+        check_hooks_added(capture, kind, node)
         if watched:
             _check_versions(watched, versions[slot])
         if ctx and slot in ctx:
@@ -271,7 +282,13 @@ def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
             torch._C._dispatch_tls_set_dispatch_key_excluded(k, excluded)
 
 
-def _run_slot(capture, slot, kind, node, mask, args, meta, flags, hooks, shared=None, observed=None):
+def check_hooks_added(capture, kind, node) -> None:
+    """Raise where what a call ran gave hooks to a node the graph has no call for."""
+    if kind != UNPACK and capture.hooks_added(node, _STAGE[kind]):
+        _hooks_added_error(kind, capture, node)
+
+
+def _run_slot(capture, slot, kind, node, mask, args, meta, flags, hooks, shared=None, observed=None, stop=False):
     if kind == UNPACK:
         from ..nodes.saved_tensors import unpack
 
@@ -298,8 +315,30 @@ def _run_slot(capture, slot, kind, node, mask, args, meta, flags, hooks, shared=
         outs = capture.call_node(node, args)
     else:
         raise AssertionError(f"unknown slot kind {kind}")
+    metas = decode_meta(meta)
+    if stop:
+        _stop_if_relaid(slot, mask, outs, metas, observed, args)
     keep = () if shared is None else [a for i, a in enumerate(args) if a is not None and i not in shared]
-    return _conform(kind, capture, node, mask, outs, keep, decode_meta(meta), flags, slot, observed)
+    return _conform(kind, capture, node, mask, outs, keep, metas, flags, slot, observed)
+
+
+def _stop_if_relaid(slot, mask, outs, metas, observed, args) -> None:
+    """On a graph's first run, an output in another layout than traced stops the run before
+    it is copied (NOTE [A call output in another layout on a graph's first run],
+    capture/resume.py); what the call returned goes with it, as it came."""
+    outs = list(outs) + [None] * (len(mask) - len(outs))
+    positions = [i for i, m in enumerate(mask) if m]
+    relaid = False
+    for k, (i, m) in enumerate(zip(positions, metas)):
+        o = outs[i]
+        if o is None or list(o.shape) != list(m.shape) or o.dtype != m.dtype or o.device != m.device:
+            continue  # (_conform raises for what is not a layout)
+        if not m.has_layout(o.resolve_conj().resolve_neg()):
+            relaid = True
+            if observed is not None:
+                observed[(slot, k)] = observed_layout(o)
+    if relaid:
+        raise ResumeHere(slot, [o if m else None for o, m in zip(outs, mask)], list(args))
 
 
 def input_storages(args):
@@ -313,7 +352,7 @@ def input_storages(args):
     return native.load().StorageSet([t for t in args if isinstance(t, torch.Tensor)])
 
 
-def _accumulate(capture, node, args, steal, hooked=False):
+def accumulate(capture, node, args, steal, hooked=False):
     """NOTE [Stealing a fresh grad]
     AccumulateGrad runs inside the graph when hooks or opaque nodes could
     observe `.grad` (DDP's reducer, module hooks). Eager's AccumulateGrad takes

@@ -15,7 +15,11 @@ from .graph_task import in_graph_task
 from .validate import backend_output_error, mismatches
 
 
-def run_graph(entry: CompiledBackward, capture, lifted, extra, hooks, releases=(), free_on_failure=False, observed=None, keep_graph=True):
+def run_graph(entry: CompiledBackward, capture, lifted, extra, hooks, releases=(), free_on_failure=False, observed=None, keep_graph=True,
+              first_run=None):
+    """Run the entry's function on the lifted tensors (`first_run`: instead, the function
+    running a graph's first run, NOTE [A call output in another layout on a graph's first run]
+    in capture/resume.py); its results."""
     if entry.plan.differentiable is not None and any(entry.plan.differentiable):
         with torch.enable_grad():  # the engine's grad mode under create_graph
             outs = list(DifferentiableGraph.apply(entry, extra, *lifted))
@@ -40,10 +44,11 @@ def run_graph(entry: CompiledBackward, capture, lifted, extra, hooks, releases=(
 
     def run():
         after = entry.plan.release_after if releases else None
-        frame = calls.replaying(capture, entry.plan.slots, hooks, steal, entry.steals, versions, ctx, after, observed)
+        frame = calls.replaying(capture, entry.plan.slots, hooks, steal, entry.steals, versions, ctx, after, observed,
+                                getattr(first_run, "resumable", None))
         try:
             with frame, torch.no_grad():
-                return list(entry(args))
+                return first_run(args) if first_run is not None else list(entry(args))
         except BaseException:
             if free_on_failure:
                 release_completed(capture, entry.plan, frame.failed_at)
