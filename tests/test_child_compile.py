@@ -229,3 +229,122 @@ def test_child_lowers_its_priority_before_importing(setting):
         assert idle == "True", out.stdout
     else:
         assert idle == "False" and int(nice) >= 10, out.stdout
+
+
+# -- NOTE [The compile's share of a busy machine] (compile/share.py) --------------------------
+
+
+def _state(pid) -> str:
+    """The process's state letter, once a signal sent to it has landed (T: stopped)."""
+    import time
+
+    deadline = time.time() + 2
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        state = stat[stat.rfind(")") + 2]
+        if time.time() > deadline or (state == "T") == _state.want:
+            return state
+        time.sleep(0.01)
+
+
+def test_a_starved_child_is_stopped_and_given_slices_between_steps(monkeypatch):
+    """A child judged starved is stopped (it costs the steps nothing); a step owed time runs it
+    alone for a slice, then stops it again; released, it runs free."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from compiled_autograd.compile import share
+
+    monkeypatch.setattr(share, "FREE_WINDOW", 0.2)
+    monkeypatch.setattr(share, "FREE_RATE", 100.0)  # (any rate counts as starved here)
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    try:
+        s = share.Share(proc.pid)
+        time.sleep(0.3)
+        s.step()  # judged: starved
+        _state.want = True
+        assert s.sliced and s.stopped and _state(proc.pid) == "T"
+        s.step()  # owed next to nothing yet (SHORT_SHARE of 0.3 s): no slice
+        assert s.paid == 0.0 and _state(proc.pid) == "T"
+        cpu = share._cpu_seconds(proc.pid)
+        s.started -= share.SHORT_S + 10  # (a run that has gone on: owed LONG_SHARE of the time since)
+        t0 = time.perf_counter()
+        s.step()
+        took = time.perf_counter() - t0
+        assert s.paid == share.MAX_SLICE and took >= share.MAX_SLICE and _state(proc.pid) == "T"
+        assert share._cpu_seconds(proc.pid) > cpu  # it ran during the slice
+        s.release()
+        _state.want = False
+        assert not s.stopped and _state(proc.pid) != "T"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_the_compile_is_owed_little_in_a_short_run_and_its_share_after():
+    from compiled_autograd.compile import share
+
+    s = share.Share(0)
+    t = s.started
+    assert s.owed(t + 10) == pytest.approx(share.SHORT_SHARE * 10)
+    assert s.owed(t + share.SHORT_S + 10) == pytest.approx(share.SHORT_SHARE * share.SHORT_S + share.LONG_SHARE * 10)
+    s.paid = 1.0
+    assert s.owed(t + share.SHORT_S + 10) == pytest.approx(share.SHORT_SHARE * share.SHORT_S + share.LONG_SHARE * 10 - 1.0)
+
+
+_LEAVES_A_COMPILE = """
+import sys, time, torch, compiled_autograd as ca
+from compiled_autograd.compile import share
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+steps = int(sys.argv[1])
+for step in range(steps):
+    x = torch.randn(4, 16)
+    with ca.enable("inductor"):
+        net(x).pow(2).mean().backward()
+    if step == 0 and sys.argv[2] == "leave":
+        deadline = time.time() + 60
+        while share.current() is None and time.time() < deadline:
+            time.sleep(0.05)
+        print("child", share.current().pgid, flush=True)
+        sys.exit(0)  # (the compile is still running: it goes on after this process)
+if sys.argv[2] == "load":
+    assert ca.synchronize(600)
+    from torch._dynamo.utils import counters
+    s = ca.stats()
+    print("stats", s.disk_hits, s.captures, s.child_compiles, counters["inductor"]["fxgraph_cache_hit"],
+          counters["inductor"].get("fxgraph_cache_miss", 0), ca.graphs()[0].compiled, flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_a_compile_pending_at_exit_finishes_after_it_and_the_next_process_loads_it(tmp_path):
+    """NOTE [A compile finished after exit] and NOTE [A graph known compiled]: a process that
+    exits while its child compiles leaves the child to finish; the next process with the same
+    model finds the graph on disk, knows it compiled, and loads it from inductor's caches
+    without a child of its own."""
+    import os
+    import subprocess
+    import time
+
+    env = dict(os.environ, COMPILED_AUTOGRAD_GRAPH_DIR=str(tmp_path / "graphs"), COMPILED_AUTOGRAD_DISK_CACHE="1",
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), COMPILED_AUTOGRAD_CHILD_NICE="0",
+               COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="600")
+    env.pop("COMPILED_AUTOGRAD_EXIT_WAIT", None)
+    first = subprocess.run([sys.executable, "-c", _LEAVES_A_COMPILE, "1", "leave"], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    pid = int(first.stdout.split()[-1])
+    deadline = time.time() + 600
+    while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
+        time.sleep(0.5)
+    assert not os.path.exists(f"/proc/{pid}"), "the child left to finish did not end"
+    second = subprocess.run([sys.executable, "-c", _LEAVES_A_COMPILE, "3", "load"], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert second.returncode == 0, second.stderr[-2000:]
+    disk_hits, captures, child_compiles, hits, misses, compiled = second.stdout.split()[-6:]
+    assert (disk_hits, captures, child_compiles, hits, misses, compiled) == ("1", "0", "0", "1", "0", "True"), second.stdout

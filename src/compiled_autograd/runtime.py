@@ -22,7 +22,7 @@ from .cache import disk as diskcache
 from .cache import learned
 from .cache.dynamic import plan_capture
 from .cache.memory import CACHE
-from .compile import background
+from .compile import background, child, share
 from .config import Config
 from .errors import BackendOutputError, CompiledAutogradError, Fallback, LearnLayouts
 from .observe import captures, reasons
@@ -85,6 +85,8 @@ def run_backward(*args):
     `_run_backward`'s (cfg, eager, roots, grads, keep_graph, create_graph,
     inputs, allow_unused, accumulate_grad), run with the collector paused
     (NOTE [No garbage collection on a hit])."""
+    if STATS.compiles_pending:  # NOTE [The compile's share of a busy machine] (compile/share.py)
+        share.step()
     pause = GCPause()
     try:
         return _run_backward(*args, pause=pause)
@@ -222,8 +224,13 @@ class _OneBackward:
             mask, reason = None, reason + (" (create_graph=True: static shapes)" if mask else " (create_graph=True)")
         pkey = diskcache.portable_key(key, collected.sizes) if cfg.disk_cache and mask is None and not self.create_graph else None
         record = diskcache.load(pkey) if pkey is not None else None
+        fingerprint = child.fingerprint(cfg) if pkey is not None and child.applies_to(cfg) else None
         if record is not None:
-            entry, first = entry_from_disk(cfg, collected, key, record, reason), None  # (a disk hit computes nothing)
+            # NOTE [A graph known compiled] (cache/disk.py): loaded at once where a process compiled it before
+            warm = fingerprint is not None and diskcache.known_compiled(pkey, fingerprint)
+            entry, first = entry_from_disk(cfg, collected, key, record, reason, warm), None  # (a disk hit computes nothing)
+            if not warm and fingerprint is not None:
+                background.mark_when_compiled(entry, pkey, fingerprint)
             pkey = None  # already stored
         else:
             layouts = learned.layouts_of(key)
@@ -271,9 +278,11 @@ class _OneBackward:
                 warnings.warn(f"compiled_autograd: {name}'s ctx values (or the Python state its backward reads) "
                               f"changed in more than {CHURN_LIMIT} captures; it now runs as is, opaquely, instead of "
                               "a new capture per value (NOTE [Functions whose values change every step])", stacklevel=6)
-        background.start_compile_of(entry)  # NOTE [Background compile]
         if pkey is not None and entry.dynamic is None:
             diskcache.store(pkey, entry)
+            if fingerprint is not None:  # NOTE [A graph known compiled] (cache/disk.py)
+                background.mark_when_compiled(entry, pkey, fingerprint)
+        background.start_compile_of(entry)  # NOTE [Background compile]
         return results
 
     def hit(self):

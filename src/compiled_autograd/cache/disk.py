@@ -289,6 +289,47 @@ def store(pkey: bytes, entry) -> None:
         log.debug("could not store a graph on disk", exc_info=True)
 
 
+# NOTE [A graph known compiled]
+# A graph stored here is compiled from the backend's own caches in a later process (inductor's
+# FX graph and AOTAutograd caches). Whether that compile is there already decides how a later
+# process gets it: a child process that compiles at low priority only to find it cached costs
+# its start (importing torch and inductor: 3.7 s of CPU on an idle machine, next to none given
+# on a busy one), where loading it from the caches in the compile thread takes about a second.
+# So once a background compile of a stored graph finished, a marker beside the graph says so,
+# for that fingerprint (the backend's options and the configs that enter inductor's keys): a
+# later process with the same fingerprint loads it at once (compile/background.py). A marker
+# that lies costs only a full compile in that thread. Markers carry the same HMAC as graphs.
+def _marker(pkey: bytes, fingerprint: str) -> Path | None:
+    root = _root()
+    if root is None:
+        return None
+    return root / (pkey.hex()[:40] + "-" + hashlib.sha256(fingerprint.encode()).hexdigest()[:16] + ".compiled")
+
+
+def mark_compiled(pkey: bytes, fingerprint: str) -> None:
+    """NOTE [A graph known compiled]: the graph `pkey`'s compile with `fingerprint` is cached."""
+    try:
+        path, secret = _marker(pkey, fingerprint), _secret()
+        if path is not None and secret is not None:
+            _write_new(path, hmac.new(secret, pkey + fingerprint.encode(), hashlib.sha256).digest())
+    except Exception:  # NOTE [The disk cache never fails a backward]
+        log.debug("could not mark a graph compiled", exc_info=True)
+
+
+def known_compiled(pkey: bytes, fingerprint: str) -> bool:
+    try:
+        path, secret = _marker(pkey, fingerprint), _secret()
+        if path is None or secret is None:
+            return False
+        want = hmac.new(secret, pkey + fingerprint.encode(), hashlib.sha256).digest()
+        return hmac.compare_digest(_read_private(path), want)
+    except FileNotFoundError:
+        return False
+    except Exception:  # NOTE [The disk cache never fails a backward]
+        log.debug("could not read a compiled marker", exc_info=True)
+        return False
+
+
 def load(pkey: bytes) -> dict | None:
     try:
         return _load(pkey)

@@ -163,7 +163,7 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
     return Miss(entry, first)
 
 
-def entry_from_disk(cfg: Config, collected, key, record, reason: str) -> CompiledBackward:
+def entry_from_disk(cfg: Config, collected, key, record, reason: str, warm: bool = False) -> CompiledBackward:
     """A graph this user's compiled_autograd stored in an earlier process:
     no trace; the compile comes from the backend's own caches."""
     t0 = time.perf_counter()
@@ -203,7 +203,7 @@ def entry_from_disk(cfg: Config, collected, key, record, reason: str) -> Compile
              background=background, **_unpacked_up_front(collected))
     )
     if background:
-        compile_in_background(cfg, key, entry, _static_fakes(collected.lifted), what, logged)
+        compile_in_background(cfg, key, entry, _static_fakes(collected.lifted), what, logged, warm=warm)
     return entry
 
 

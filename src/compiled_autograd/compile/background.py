@@ -10,12 +10,13 @@ import threading
 import time
 from typing import Callable
 
+from ..cache import disk as diskcache
 from ..cache.memory import CACHE, CompiledBackward
 from ..config import Config
 from ..observe.logs import compile_status
 from ..observe.stats import LOCK, STATS
 from . import backends, boxed
-from . import child
+from . import child, share
 from . import torch_patches
 from .torch_patches import in_background
 
@@ -88,10 +89,23 @@ def start_compile_of(entry: CompiledBackward, run: bool = True) -> None:
         start()
 
 
-def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, what: str, logged: dict, redo_dynamic=None) -> None:
+_markers: dict[int, tuple] = {}  # id(entry) -> (disk key, fingerprint): NOTE [A graph known compiled]
+
+
+def mark_when_compiled(entry: CompiledBackward, pkey: bytes, fingerprint: str) -> None:
+    """Once the entry's background compile succeeded -- here, or in a child left to finish
+    after this process (NOTE [A compile finished after exit], compile/child.py) -- mark its
+    stored graph compiled (NOTE [A graph known compiled], cache/disk.py)."""
+    with LOCK:
+        _markers[id(entry)] = (pkey, fingerprint)
+
+
+def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, what: str, logged: dict, redo_dynamic=None,
+                          warm: bool = False) -> None:
     # `example`: fake tensors only, or a child.Described that makes them in the thread; the thread
     # must not keep the user's tensors alive;
-    # `redo_dynamic`: a dynamic graph's sizes and guards, recomputed after the compile (it may add guards)
+    # `redo_dynamic`: a dynamic graph's sizes and guards, recomputed after the compile (it may add guards);
+    # `warm`: the backend's caches have it (NOTE [A graph known compiled]): loaded here, no child
     is_dynamic = entry.dynamic is not None
     graph = entry.graph
 
@@ -103,9 +117,11 @@ def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, wh
             with LOCK:
                 _compiling.add(me)  # may be cancelled at exit from here (NOTE [Background compiles at exit])
             try:
-                with compile_status(what + " (in the background)"), in_background():
-                    if child.applies(cfg.backend, is_dynamic):  # NOTE [Compiling in a child process]
-                        in_child = child.compile_in_child(graph, example, cfg.inductor_patches)
+                with compile_status(what + " (in the background)", detail=share.status), in_background():
+                    with LOCK:
+                        marker = _markers.pop(id(entry), None)
+                    if not warm and child.applies(cfg.backend, is_dynamic):  # NOTE [Compiling in a child process]
+                        in_child = child.compile_in_child(graph, example, cfg.inductor_patches, marker)
                         with LOCK:
                             STATS.child_compiles += int(in_child)
                     inputs = example() if callable(example) else example
@@ -120,6 +136,8 @@ def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, wh
             CACHE.replace(key, entry, done)
             with LOCK:
                 STATS.compile_seconds += time.perf_counter() - t0
+            if marker is not None:
+                diskcache.mark_compiled(*marker)
             logged["compile_seconds"] = time.perf_counter() - t0  # its own record: the log may be trimmed
             if dynamic is not None:
                 logged["guards"] = dynamic.guard_source
@@ -129,7 +147,7 @@ def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, wh
             CACHE.replace(key, entry, dataclasses.replace(entry, compiling=False))
             with LOCK:
                 STATS.compile_failures += 1
-            if not _exiting():
+            if not exiting():
                 log.warning("background compile failed, the traced graph stays in use: %s", e, exc_info=True)
             else:  # torch's executors refuse work, its modules are torn down under the compile
                 log.debug("background compile ended by the interpreter's exit: %s", e)
@@ -213,7 +231,12 @@ class _WaitAtExit:
         with LOCK:
             if not _pending:
                 return
+        shared = share.current()
         wait = _exit_wait()
+        if shared is not None:  # (waited for now: it runs free)
+            shared.release()
+            if child.FINISH_AFTER_EXIT > 0 and not os.environ.get("COMPILED_AUTOGRAD_EXIT_WAIT"):
+                wait = 0.0  # it finishes after this process instead (NOTE [A compile finished after exit])
         if wait is None or wait > 0:
             log.info("waiting for %d background compile(s) before exiting", len(_pending))
             if synchronize(wait):
@@ -241,7 +264,7 @@ def _cancel(thread: threading.Thread) -> None:
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(CompileCancelled))
 
 
-def _exiting() -> bool:
+def exiting() -> bool:
     """Whether the interpreter is exiting: threading's shutdown has begun (it first runs the
     executors' exit hooks, after which they refuse new work), or the main thread has ended."""
     return getattr(threading, "_SHUTTING_DOWN", False) or not threading.main_thread().is_alive()
@@ -251,6 +274,9 @@ def synchronize(timeout: float | None = None) -> bool:
     """Wait for background compiles to finish; True when none is pending."""
     deadline = None if timeout is None else time.perf_counter() + timeout
     while True:
+        shared = share.current()
+        if shared is not None:  # (waited for: it runs free, NOTE [The compile's share of a busy machine])
+            shared.release()
         with LOCK:
             threads = list(_pending)
         if not threads:
@@ -266,3 +292,4 @@ def reset() -> None:
     """Forget the compiles not yet started (their graphs are gone with the cache)."""
     with LOCK:
         _deferred.clear()
+        _markers.clear()

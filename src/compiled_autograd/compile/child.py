@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import tempfile
@@ -14,6 +15,8 @@ import threading
 import time
 
 import torch
+
+from . import share
 
 log = logging.getLogger("compiled_autograd")
 
@@ -72,6 +75,24 @@ def applies(backend, dynamic: bool) -> bool:
     if inductor_config.force_disable_caches or not inductor_config.fx_graph_cache:
         return False
     return bool(getattr(functorch_config, "enable_autograd_cache", True))
+
+
+def applies_to(cfg) -> bool:
+    """Whether this scope's static graphs compile in the background through a child."""
+    return bool(cfg.background_compile) and not cfg.fullgraph and applies(cfg.backend, False)
+
+
+def fingerprint(cfg) -> str:
+    """What decides whether a compile cached by another process serves this one (NOTE [A graph
+    known compiled], cache/disk.py): the backend's options, the configs that enter inductor's
+    and AOTAutograd's keys, the thread count."""
+    import hashlib
+
+    import torch._functorch.config  # noqa: F401  (imported: their values count)
+    import torch._inductor.config  # noqa: F401
+
+    configs = repr(sorted((k, repr(v)) for k, v in _configs().items()))
+    return hashlib.sha256(repr((cfg.backend_key, cfg.inductor_patches, configs, torch.get_num_threads())).encode()).hexdigest()
 
 
 def describe(values) -> list:
@@ -227,9 +248,10 @@ def _decode_graph(encoded: dict) -> torch.fx.GraphModule:
 
 
 
-def compile_in_child(gm: torch.fx.GraphModule, example_inputs, patches: dict | None) -> bool:
+def compile_in_child(gm: torch.fx.GraphModule, example_inputs, patches: dict | None, marker=None) -> bool:
     """Compile the graph in a child process (NOTE [Compiling in a child process]); True when the
-    child finished. Whatever happens, the caller compiles in-process next."""
+    child finished. Whatever happens, the caller compiles in-process next. `marker`: (disk key,
+    fingerprint) the child marks compiled when it is done (NOTE [A graph known compiled])."""
     try:
         payload = pickle.dumps(
             {
@@ -238,6 +260,7 @@ def compile_in_child(gm: torch.fx.GraphModule, example_inputs, patches: dict | N
                 "patches": patches or {},
                 "configs": _configs(),
                 "threads": torch.get_num_threads(),  # (inductor's key has the thread count)
+                "marker": marker,
             }
         )
     except Exception as e:  # a graph whose code cannot be pickled: compiled in-process only
@@ -245,15 +268,9 @@ def compile_in_child(gm: torch.fx.GraphModule, example_inputs, patches: dict | N
         return False
     with _child_lock:
         fd, path = tempfile.mkstemp(prefix="compiled_autograd_graph_", suffix=".pkl")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(payload)
-            return _run_child(path)
-        finally:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+        return _run_child(path)  # (the child removes the file once it has read it)
 
 
 # The child lowers its priority first, before it imports torch and this package (3.7 s of CPU
@@ -288,37 +305,106 @@ def _run_child(path: str) -> bool:
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([package_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     t0 = time.perf_counter()
+    err = tempfile.TemporaryFile()  # (a file, not a pipe: a child left to finish after exit writes to no one)
     try:
+        # its own process group (NOTE [The compile's share of a busy machine]: stopped and continued
+        # with its g++) and session (NOTE [A compile finished after exit])
         proc = subprocess.Popen(
-            _child_command(path), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            _child_command(path), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+            start_new_session=True,
         )
     except OSError as e:  # (no interpreter to start: an embedded Python)
         log.debug("no child compile: %s", e)
+        _unlink(path)
         return False
+    shared = share.started(proc.pid)
     try:
         # (a loop of short waits: a cancel at exit, raised between bytecodes, gets here)
         while True:
             try:
-                _, err = proc.communicate(timeout=POLL_S)
+                proc.wait(timeout=POLL_S)
                 break
             except subprocess.TimeoutExpired:
-                continue
+                shared.wait_tick()
     except BaseException:
-        proc.kill()
-        proc.wait()
+        shared.release()
+        if not _left_to_finish(proc):
+            _kill(proc)
+            _unlink(path)
         raise
+    finally:
+        share.ended(shared)
     if proc.returncode != 0:
-        tail = (err or b"").decode(errors="replace").strip().splitlines()[-3:]
+        err.seek(0)
+        tail = err.read().decode(errors="replace").strip().splitlines()[-3:]
         log.debug("the child compile failed (exit status %s): %s", proc.returncode, " | ".join(tail))
+        _unlink(path)
         return False
     log.debug("child compile done in %.1fs", time.perf_counter() - t0)
     return True
 
 
+def _kill(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # (its g++ too)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+# NOTE [A compile finished after exit]
+# A compile still running when training exits was cancelled there, after
+# COMPILED_AUTOGRAD_EXIT_WAIT seconds: its work was lost, and a second process with the same
+# model was just as cold (the MLP's three runs in a row on a busy machine: none compiled). The
+# child fills inductor's on-disk caches, which is all a later process needs (our disk cache has
+# the graph; inductor's has its compile). So at exit a child still compiling is left to finish
+# in its own session, free at SCHED_IDLE, for at most FINISH_AFTER_EXIT seconds after this
+# process is gone (its own watchdog: `_watch_parent`); COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0
+# kills it at exit instead. The log and explain() say so.
+FINISH_AFTER_EXIT = float(os.environ.get("COMPILED_AUTOGRAD_FINISH_AFTER_EXIT", "300"))
+left_after_exit: list = []  # pids of the children left to finish (explain())
+
+
+def _left_to_finish(proc) -> bool:
+    """At exit (a CompileCancelled): whether the child goes on after this process."""
+    from .background import exiting
+
+    if FINISH_AFTER_EXIT <= 0 or not exiting() or proc.poll() is not None:
+        return False
+    left_after_exit.append(proc.pid)
+    log.info("a background compile goes on in process %d for up to %.0f s after this one exits, so that the next "
+             "process finds it in inductor's caches (COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0: stop it at exit)",
+             proc.pid, FINISH_AFTER_EXIT)
+    return True
+
+
+def _watch_parent(limit: float) -> None:
+    """In the child: once the training process is gone, finish within `limit` seconds or end
+    (with its g++: the whole process group)."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        time.sleep(limit)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    _watch_parent(FINISH_AFTER_EXIT)
     with open(argv[0], "rb") as f:
         payload = pickle.load(f)
+    _unlink(argv[0])
     torch.set_num_threads(payload["threads"])
     for name, saved in payload["configs"].items():
         import importlib
@@ -334,6 +420,10 @@ def main(argv=None) -> int:
     fakes = fakes_of(payload["inputs"])
     with compile_lock, torch.no_grad():
         compile_inductor(gm, fakes, False, payload["patches"])
+    if payload.get("marker") is not None:  # (a child left to finish after exit: nobody else will)
+        from ..cache import disk
+
+        disk.mark_compiled(*payload["marker"])
     return 0
 
 

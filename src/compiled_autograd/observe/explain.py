@@ -88,8 +88,27 @@ def _report() -> str:
         lines.append(f"  opaque node runs x{n}: {kind}")
     for detail, n in s.opaque_details.most_common(MAX_ITEMS):
         lines.append(f"    x{n}: {detail}")
+    lines.extend(_compiles(s))
     lines.append(f"  cached graphs: {len(CACHE)}")
     return "\n".join(_clip(line) for line in lines)
+
+
+def _compiles(s) -> list:
+    """The background compile running now, and those left to finish after an exit (NOTE [The
+    compile's share of a busy machine], NOTE [A compile finished after exit])."""
+    from ..compile import child, share
+
+    out = []
+    running = share.current()
+    if running is not None:
+        out.append(f"  background compile: {running.summary()}")
+        out.append(f"    {share.advice()}")
+    elif s.compiles_pending:
+        out.append(f"  background compiles pending: {s.compiles_pending}")
+    if child.left_after_exit:
+        out.append(f"  compiles left to finish after exit: {len(child.left_after_exit)} (for up to "
+                   f"{child.FINISH_AFTER_EXIT:.0f} s; COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0: stopped at exit)")
+    return out
 
 
 def _clip(line: str) -> str:

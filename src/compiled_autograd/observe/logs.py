@@ -29,9 +29,9 @@ def configure_logging() -> None:
 
 
 @contextlib.contextmanager
-def compile_status(what: str, every: float = 10.0):
+def compile_status(what: str, every: float = 10.0, detail=None):
     """Log when a compile starts and ends, and a one-line status every
-    `every` seconds while it runs."""
+    `every` seconds while it runs (with `detail()`, where given)."""
     log = logging.getLogger("compiled_autograd")
     start = time.perf_counter()
     log.info("%s ...", what)
@@ -39,7 +39,8 @@ def compile_status(what: str, every: float = 10.0):
 
     def tick():
         while not stop.wait(every):
-            log.info("%s: still compiling (%.0fs)", what, time.perf_counter() - start)
+            more = detail() if detail is not None else ""
+            log.info("%s: still compiling (%.0fs)%s", what, time.perf_counter() - start, f": {more}" if more else "")
 
     ticker = threading.Thread(target=tick, daemon=True) if log.isEnabledFor(logging.INFO) else None
     if ticker:

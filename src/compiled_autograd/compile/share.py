@@ -1,0 +1,207 @@
+"""The compile's share of a machine that training keeps busy (NOTE [The compile's share of a
+busy machine]): when the child compiling a graph runs, and for how long training waits for it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+log = logging.getLogger("compiled_autograd")
+
+# NOTE [The compile's share of a busy machine]
+# The child compiles at SCHED_IDLE (NOTE [Compiling in a child process], compile/child.py): it
+# takes only CPU that training leaves idle. Where training keeps every core busy (a CPU job
+# with a thread per core) that is next to nothing -- 4-5% of a CPU on 2 cores, so a compile
+# of ~13 s of CPU would land after minutes, or never -- and yet it costs the steps: each time
+# an OpenMP thread of training waits at a barrier the child takes the core, and the thread
+# wakes to a core whose caches the compiler's Python and g++ have filled (steps while
+# compiling +19-33% on an Intel 2-core machine). So the child's time is handed out by the
+# training process, between its steps:
+#   * free: the child runs at SCHED_IDLE as before, where that gets it most of a core (a GPU
+#     job, idle cores): no step pays anything;
+#   * sliced: where it gets less than FREE_RATE of a CPU over a FREE_WINDOW, the child (its
+#     whole process group: g++ too) is stopped (SIGSTOP), so it costs the steps nothing, and
+#     each backward gives it a slice of its own: the training thread sleeps while the child runs
+#     (SIGCONT ... SIGSTOP), alone on the machine, for what the budget owes it.
+# The budget is a ski-rental: a compile costs a fixed amount of CPU and pays back only over
+# the steps after it, and how long the run will last is unknown. Until training has run
+# `SHORT_S` seconds since the compile started, the child is owed SHORT_SHARE of the time
+# (a short run pays no more than noise); from then on, the run has shown it is long, and it
+# is owed LONG_SHARE of the time until the compile is done (the ~13 s of a cold inductor
+# compile then land within about a minute). A backward that is not a step of this training
+# (no backward for IDLE_S: the process does something else) lets the child run free again.
+# `stats()`/`explain()` say how much of a CPU the compile got while it was pending.
+FREE_RATE = 0.5  # CPU seconds per second below which the free child counts as starved
+FREE_WINDOW = 1.0  # seconds of a free child's run measured before it is judged
+SHORT_S = float(os.environ.get("COMPILED_AUTOGRAD_COMPILE_AFTER", "20"))  # (NOTE above)
+SHORT_SHARE = 0.02
+LONG_SHARE = float(os.environ.get("COMPILED_AUTOGRAD_COMPILE_SHARE", "0.5"))
+MIN_SLICE = 0.02  # seconds: a slice shorter than this is not worth the stop and the wake-up
+MAX_SLICE = 0.5
+IDLE_S = 1.0
+
+
+def _cpu_seconds(pgid: int) -> float:
+    """CPU seconds used so far by the processes of group `pgid` (the child and its g++), from
+    /proc; those that ended are counted in their parent's children's time."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        # (state, ppid, pgrp, ... utime (11), stime (12), cutime (13), cstime (14))
+        if len(fields) > 14 and int(fields[2]) == pgid:
+            total += sum(int(x) for x in fields[11:15])
+    return total / tick
+
+
+class Share:
+    """The CPU share of one running child (NOTE [The compile's share of a busy machine])."""
+
+    def __init__(self, pid: int):
+        self.pgid = pid  # (the child leads its own process group)
+        self.started = self.seen = time.perf_counter()
+        self.lock = threading.Lock()
+        self.sliced = False
+        self.stopped = False
+        self.paid = 0.0  # seconds the training thread waited for the child
+        self.window = (self.started, 0.0)  # (wall, cpu) where the current measure began
+        self.cpu = 0.0
+
+    # -- the child's state ---------------------------------------------------------------------
+    def _signal(self, sig) -> None:
+        try:
+            os.killpg(self.pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _stop(self) -> None:
+        if not self.stopped:
+            self._signal(signal.SIGSTOP)
+            self.stopped = True
+
+    def _go(self) -> None:
+        if self.stopped:
+            self._signal(signal.SIGCONT)
+            self.stopped = False
+
+    def release(self) -> None:
+        """Let the child run (free) from now on: it is being waited for, or left to finish."""
+        with self.lock:
+            self.sliced = False
+            self._go()
+
+    # -- called by the training thread at each backward -------------------------------------------
+    def step(self) -> None:
+        with self.lock:
+            now = time.perf_counter()
+            idle = now - self.seen > IDLE_S
+            self.seen = now
+            if not self.sliced:
+                self._judge(now)
+                return
+            if idle:  # (the waiting thread let it run while no step came: that time was free)
+                self.window = (now, self._cpu())
+            owed = self.owed(now)
+            if owed < MIN_SLICE:
+                self._stop()
+                return
+            slice_s = min(owed, MAX_SLICE)
+            self._go()
+        time.sleep(slice_s)  # training waits: the child runs alone
+        with self.lock:
+            if self.sliced:
+                self._stop()
+            self.paid += slice_s
+
+    def _judge(self, now) -> None:
+        """A free child's rate over its last window: starved, it is sliced from now on."""
+        wall0, cpu0 = self.window
+        if now - wall0 < FREE_WINDOW:
+            return
+        cpu = self._cpu()
+        rate = (cpu - cpu0) / (now - wall0)
+        self.window = (now, cpu)
+        if rate < FREE_RATE:
+            log.info("background compile starved (%.0f%% of a CPU at SCHED_IDLE): its time is now given between steps", 100 * rate)
+            self.sliced = True
+            self._stop()
+
+    def owed(self, now) -> float:
+        """What the budget owes the child now (the ski-rental above)."""
+        elapsed = now - self.started
+        budget = SHORT_SHARE * min(elapsed, SHORT_S) + LONG_SHARE * max(0.0, elapsed - SHORT_S)
+        return budget - self.paid
+
+    def wait_tick(self) -> None:
+        """Called by the thread that waits for the child: no step for IDLE_S lets it run free."""
+        with self.lock:
+            if self.sliced and self.stopped and time.perf_counter() - self.seen > IDLE_S:
+                self._go()
+
+    def _cpu(self) -> float:
+        try:
+            self.cpu = _cpu_seconds(self.pgid)
+        except OSError:
+            pass
+        return self.cpu
+
+    def summary(self) -> str:
+        """How the pending compile is getting on: for explain() and the log."""
+        now = time.perf_counter()
+        pending = now - self.started
+        cpu = self._cpu()
+        how = "given time between steps" if self.sliced else "at SCHED_IDLE (CPU training leaves idle)"
+        return f"pending {pending:.0f} s, {100 * cpu / max(pending, 1e-9):.0f}% of a CPU, {how}; training waited {self.paid:.1f} s"
+
+
+_current: Share | None = None
+_current_lock = threading.Lock()
+
+
+def started(pid: int) -> Share:
+    global _current
+    with _current_lock:
+        _current = Share(pid)
+        return _current
+
+
+def ended(share: Share) -> None:
+    global _current
+    with _current_lock:
+        if _current is share:
+            _current = None
+
+
+def current() -> Share | None:
+    return _current
+
+
+def advice() -> str:
+    """What a user can do about a compile that lands late."""
+    return (f"sooner: COMPILED_AUTOGRAD_COMPILE_SHARE={LONG_SHARE:g} of the time after COMPILED_AUTOGRAD_COMPILE_AFTER="
+            f"{SHORT_S:g} s of training (raise it, or lower the wait); ca.synchronize() waits; an idle core compiles it free")
+
+
+def status() -> str:
+    """The running child's state and what the user can do, or '' (the log)."""
+    shared = _current
+    if shared is None:
+        return ""
+    return f"{shared.summary()} ({advice()})"
+
+
+def step() -> None:
+    """Each backward, while a child compiles: its slice, if it is owed one."""
+    share = _current
+    if share is not None:
+        share.step()
