@@ -227,7 +227,7 @@ class _OneBackward:
         fingerprint = child.fingerprint(cfg) if pkey is not None and child.applies_to(cfg) else None
         if record is not None:
             # NOTE [A graph known compiled] (cache/disk.py): loaded at once where a process compiled it before
-            warm = fingerprint is not None and diskcache.known_compiled(pkey, fingerprint)
+            warm = fingerprint is not None and diskcache.known_compiled(pkey, fingerprint) and child.caches_present()
             entry, first = entry_from_disk(cfg, collected, key, record, reason, warm), None  # (a disk hit computes nothing)
             if not warm and fingerprint is not None:
                 background.mark_when_compiled(entry, pkey, fingerprint)

@@ -296,9 +296,11 @@ def store(pkey: bytes, entry) -> None:
 # its start (importing torch and inductor: 3.7 s of CPU on an idle machine, next to none given
 # on a busy one), where loading it from the caches in the compile thread takes about a second.
 # So once a background compile of a stored graph finished, a marker beside the graph says so,
-# for that fingerprint (the backend's options and the configs that enter inductor's keys): a
-# later process with the same fingerprint loads it at once (compile/background.py). A marker
-# that lies costs only a full compile in that thread. Markers carry the same HMAC as graphs.
+# for that fingerprint (the backend's options, the configs that enter inductor's keys, and
+# inductor's cache directory, which must still hold its FX graph cache): a later process with
+# the same fingerprint loads it at once, in its first backward (capture/entry.py
+# entry_from_disk). A marker that lies costs a full compile there. Markers carry the same HMAC
+# as graphs.
 def _marker(pkey: bytes, fingerprint: str) -> Path | None:
     root = _root()
     if root is None:

@@ -169,7 +169,10 @@ def entry_from_disk(cfg: Config, collected, key, record, reason: str, warm: bool
     t0 = time.perf_counter()
     gm = record["graph"]
     expected = expected_outputs(gm)  # (no metadata: the number of outputs)
-    background = cfg.background_compile and not cfg.fullgraph
+    # a graph known compiled (NOTE [A graph known compiled], cache/disk.py) loads now, from the
+    # backend's caches: the second step runs it (a load in the background held the GIL against
+    # the steps meanwhile: 0.5 s steps, against one wait of about a second here)
+    background = cfg.background_compile and not cfg.fullgraph and not warm
     what = f"compiling a stored backward graph of {len(record['node_names'])} nodes with {cfg.backend_name}"
     if background:
         fn = gm
@@ -203,7 +206,7 @@ def entry_from_disk(cfg: Config, collected, key, record, reason: str, warm: bool
              background=background, **_unpacked_up_front(collected))
     )
     if background:
-        compile_in_background(cfg, key, entry, _static_fakes(collected.lifted), what, logged, warm=warm)
+        compile_in_background(cfg, key, entry, _static_fakes(collected.lifted), what, logged)
     return entry
 
 

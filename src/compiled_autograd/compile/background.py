@@ -100,12 +100,10 @@ def mark_when_compiled(entry: CompiledBackward, pkey: bytes, fingerprint: str) -
         _markers[id(entry)] = (pkey, fingerprint)
 
 
-def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, what: str, logged: dict, redo_dynamic=None,
-                          warm: bool = False) -> None:
+def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, what: str, logged: dict, redo_dynamic=None) -> None:
     # `example`: fake tensors only, or a child.Described that makes them in the thread; the thread
     # must not keep the user's tensors alive;
-    # `redo_dynamic`: a dynamic graph's sizes and guards, recomputed after the compile (it may add guards);
-    # `warm`: the backend's caches have it (NOTE [A graph known compiled]): loaded here, no child
+    # `redo_dynamic`: a dynamic graph's sizes and guards, recomputed after the compile (it may add guards)
     is_dynamic = entry.dynamic is not None
     graph = entry.graph
 
@@ -120,7 +118,7 @@ def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, wh
                 with compile_status(what + " (in the background)", detail=share.status), in_background():
                     with LOCK:
                         marker = _markers.pop(id(entry), None)
-                    if not warm and child.applies(cfg.backend, is_dynamic):  # NOTE [Compiling in a child process]
+                    if child.applies(cfg.backend, is_dynamic):  # NOTE [Compiling in a child process]
                         in_child = child.compile_in_child(graph, example, cfg.inductor_patches, marker)
                         with LOCK:
                             STATS.child_compiles += int(in_child)

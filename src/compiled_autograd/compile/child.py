@@ -92,7 +92,15 @@ def fingerprint(cfg) -> str:
     import torch._inductor.config  # noqa: F401
 
     configs = repr(sorted((k, repr(v)) for k, v in _configs().items()))
-    return hashlib.sha256(repr((cfg.backend_key, cfg.inductor_patches, configs, torch.get_num_threads())).encode()).hexdigest()
+    key = (cfg.backend_key, cfg.inductor_patches, configs, torch.get_num_threads(), _cache_dir())
+    return hashlib.sha256(repr(key).encode()).hexdigest()
+
+
+def caches_present() -> bool:
+    """Whether inductor's FX graph cache is there (a marker of a graph compiled into a cache
+    that was deleted since says nothing)."""
+    cache = _cache_dir()
+    return bool(cache) and os.path.isdir(os.path.join(cache, "fxgraph"))
 
 
 def describe(values) -> list:
@@ -366,8 +374,10 @@ def _unlink(path: str) -> None:
 # child fills inductor's on-disk caches, which is all a later process needs (our disk cache has
 # the graph; inductor's has its compile). So at exit a child still compiling is left to finish
 # in its own session, free at SCHED_IDLE, for at most FINISH_AFTER_EXIT seconds after this
-# process is gone (its own watchdog: `_watch_parent`); COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0
-# kills it at exit instead. The log and explain() say so.
+# process is gone, and while the machine has room for it (its own watchdog, `_watch_parent`: a
+# child that gets less than half a CPU, beside a job that keeps every core busy, ends rather than
+# cost that job's steps); COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0 kills it at exit instead. The log
+# and explain() say so.
 FINISH_AFTER_EXIT = float(os.environ.get("COMPILED_AUTOGRAD_FINISH_AFTER_EXIT", "300"))
 left_after_exit: list = []  # pids of the children left to finish (explain())
 
@@ -386,14 +396,23 @@ def _left_to_finish(proc) -> bool:
 
 
 def _watch_parent(limit: float) -> None:
-    """In the child: once the training process is gone, finish within `limit` seconds or end
-    (with its g++: the whole process group)."""
+    """In the child: once the training process is gone, finish within `limit` seconds, and only
+    while the machine has room for it (at least FREE_RATE of a CPU over each window: another
+    job that keeps the cores busy would pay for a child it does not know of, NOTE [The
+    compile's share of a busy machine]); else end, with its g++ (the whole process group)."""
     parent = os.getppid()
 
     def watch():
         while os.getppid() == parent:
             time.sleep(1.0)
-        time.sleep(limit)
+        deadline = time.perf_counter() + limit
+        before = share._cpu_seconds(os.getpgrp())
+        while time.perf_counter() < deadline:
+            time.sleep(share.FREE_WINDOW * 2)
+            now = share._cpu_seconds(os.getpgrp())
+            if now - before < share.FREE_RATE * share.FREE_WINDOW * 2:
+                break
+            before = now
         os.killpg(0, signal.SIGKILL)
 
     threading.Thread(target=watch, daemon=True).start()
