@@ -348,3 +348,29 @@ def test_a_compile_pending_at_exit_finishes_after_it_and_the_next_process_loads_
     assert second.returncode == 0, second.stderr[-2000:]
     disk_hits, captures, child_compiles, hits, misses, compiled = second.stdout.split()[-6:]
     assert (disk_hits, captures, child_compiles, hits, misses, compiled) == ("1", "0", "0", "1", "0", "True"), second.stdout
+
+
+def test_explain_says_how_a_pending_compile_is_getting_on_and_what_to_do(monkeypatch):
+    """issue 38 item 4: while a child compiles, explain() says for how long, how much of a CPU it
+    got, how long training waited for it, and what the user can do."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from compiled_autograd.compile import share
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        s = share.started(proc.pid)
+        s.started -= 40  # (pending 40 s)
+        text = ca.explain(file=None)
+        line = next(ln for ln in text.splitlines() if "background compile:" in ln)
+        assert "pending 40 s" in line and "0% of a CPU" in line and "training waited 0.0 s" in line, line
+        assert "COMPILED_AUTOGRAD_COMPILE_SHARE" in text and "ca.synchronize()" in text
+        assert max(len(ln) for ln in text.splitlines()) <= 240
+    finally:
+        share.ended(s)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert "background compile:" not in ca.explain(file=None)
