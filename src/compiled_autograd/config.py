@@ -10,15 +10,33 @@ import contextvars
 import functools
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .values import BackendLike
 
 
-def _backends() -> dict:
-    """The backend registry (compile/backends.py: name -> Backend), the one list of names."""
-    from .compile.backends import BACKENDS
+@dataclass(frozen=True)
+class Backend:
+    """A named backend: how it compiles a captured graph, and what the rest of the library
+    may assume about the code it makes."""
 
-    return BACKENDS
+    name: str
+    compile: Callable  # (gm, example_inputs, dynamic, patches) -> a callable taking the graph inputs
+    # its code leaves a grad handed to AccumulateGrad alone: AccumulateGrad may take the graph's
+    # buffer as `.grad` (NOTE [Stealing a fresh grad] in nodes/accumulate.py)
+    steals: bool
+    background: bool  # compiled in a background thread unless enable(background=...) says otherwise
+    eager_kernels: bool  # runs eager's kernels in eager's order: results bitwise eager's
+
+
+# the backend registry, name -> Backend: the one list of names an option may give (the
+# built-in ones are registered by compile/backends.py, which the package imports)
+BACKENDS: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+    BACKENDS[backend.name] = backend
+    return backend
 
 
 @dataclass(frozen=True)
@@ -60,10 +78,10 @@ class Config:
     options: tuple = ()  # sorted (name, value) pairs; a dict is accepted
 
     def __post_init__(self):
-        if isinstance(self.backend, str) and self.backend not in _backends():
+        if isinstance(self.backend, str) and self.backend not in BACKENDS:
             raise ValueError(
                 f"compiled_autograd: unknown backend {self.backend!r}; "
-                f"expected one of {', '.join(_backends())} or a callable (gm, example_inputs) -> callable"
+                f"expected one of {', '.join(BACKENDS)} or a callable (gm, example_inputs) -> callable"
             )
         if not isinstance(self.backend, str) and not callable(self.backend):
             raise TypeError(f"compiled_autograd: backend must be a str or callable, got {type(self.backend)}")
@@ -118,7 +136,7 @@ class Config:
     @property
     def background_compile(self) -> bool:
         if self.background is None:
-            return isinstance(self.backend, str) and _backends()[self.backend].background
+            return isinstance(self.backend, str) and BACKENDS[self.backend].background
         return bool(self.background) and self.backend != "eager"
 
     @property

@@ -21,7 +21,7 @@ from . import native
 from .cache import disk as diskcache
 from .cache import learned
 from .cache.dynamic import plan_capture
-from .cache.memory import CACHE
+from .replay.entries import CACHE
 from .compile import background
 from .config import Config
 from .errors import BackendOutputError, CompiledAutogradError, Fallback, LearnLayouts
@@ -30,7 +30,8 @@ from .observe.stats import LOCK, STATS
 from .replay.run import GCPause, apply, check_outputs, run_graph
 from .values import BOXED, CacheKey
 from .errors import Unkeyable
-from .nodes.function import CHURN, CHURN_LIMIT
+from .nodes.function import CHURN_LIMIT, note_capture
+from .nodes.learned import LEARNED
 from .nodes.saved_tensors import Learn
 from .walk.collect import collect
 from .walk.precheck import global_state, precheck
@@ -217,7 +218,7 @@ class _OneBackward:
         cfg, key, fam, collected = self.cfg, self.key, self.fam, self.collected
         pause.resume()  # tracing and compiling make garbage cycles
         mask, reason = plan_capture(cfg, fam, collected)
-        reason = learned.layout_reasons.pop(key, reason)
+        reason = learned.next_reason(key, reason)
         if self.create_graph:
             mask, reason = None, reason + (" (create_graph=True: static shapes)" if mask else " (create_graph=True)")
         pkey = diskcache.portable_key(key, collected.sizes) if cfg.disk_cache and mask is None and not self.create_graph else None
@@ -226,7 +227,7 @@ class _OneBackward:
             entry, first = entry_from_disk(cfg, collected, key, record, reason), None  # (a disk hit computes nothing)
             pkey = None  # already stored
         else:
-            layouts = learned.layouts_of(key)
+            layouts = LEARNED.layouts.of(key)
             try:
                 history = tuple(e.sizes for e in fam.entries()) if fam is not None else ()
                 got = capture_and_compile(cfg, collected, key, mask, reason, history, self.create_graph, layouts)
@@ -267,7 +268,7 @@ class _OneBackward:
             CACHE.family(key, create=True).add(entry)  # only graphs that ran
         CACHE.evict(cfg.cache_size_limit)
         if record is None and collected.pynodes:
-            for name in CHURN.note_capture(collected):
+            for name in note_capture(collected):
                 warnings.warn(f"compiled_autograd: {name}'s ctx values (or the Python state its backward reads) "
                               f"changed in more than {CHURN_LIMIT} captures; it now runs as is, opaquely, instead of "
                               "a new capture per value (NOTE [Functions whose values change every step])", stacklevel=6)

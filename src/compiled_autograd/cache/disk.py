@@ -65,7 +65,7 @@ from pathlib import Path
 
 import torch
 
-from .. import native
+from .. import calls, native
 
 log = logging.getLogger("compiled_autograd")
 
@@ -315,8 +315,7 @@ def _load(pkey: bytes) -> dict | None:
         log.warning("ignoring %s: not written by this user's compiled_autograd", path)
         return None
     try:
-        from ..replay import calls as ops  # noqa: F401  (the graph calls compiled_autograd::call)
-
+        calls.install()  # (the graph calls compiled_autograd::call)
         record = pickle.loads(data)
     except Exception:
         log.debug("could not load %s", path, exc_info=True)

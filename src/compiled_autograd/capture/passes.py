@@ -8,12 +8,11 @@ import operator
 
 import torch
 
-from ..replay import calls as ops
+from ..calls import protocol
 from ..errors import Fallback
-from ..values import NodeKind
+from ..nodes import FAMILIES, SLOT_KINDS
 from ..nodes.function import kept_indices
 
-ACCUMULATE_KIND = NodeKind.ACCUMULATE
 
 
 class ArrivesTooLate(Fallback):
@@ -26,10 +25,10 @@ def _releases(slots, nodes) -> tuple:
     reading = []  # (node, slot) of each call that may read saved tensors
     for s, slot in enumerate(slots):
         kind, node = slot.kind, slot.node
-        if kind in (ops.UNPACK, *ops.ACCUMULATES):
+        if not SLOT_KINDS[kind].reads_saved:
             continue
-        if kind != ops.NODE:
-            if nodes[node].kind == ACCUMULATE_KIND:
+        if SLOT_KINDS[kind].family == "hooks":
+            if not FAMILIES[nodes[node].kind].hooks_read_saved:
                 continue
             if nodes[node].name == "BackwardHookFunctionBackward":  # a module's full backward hooks
                 continue
@@ -53,21 +52,21 @@ def _mark_fresh_grads(gm: torch.fx.GraphModule, slots: list) -> tuple:
     result, or a view of one, rather than (a view of) a graph input, which is a tensor
     the user or the autograd graph still holds, and that nothing else in the graph reads
     (`_read_only_here`). In the plan (the slot's `fresh`) and in
-    the graph (the call's flags get ops.HANDS_OVER: inductor's lowering of the call then
+    the graph (the call's flags get protocol.HANDS_OVER: inductor's lowering of the call then
     keeps that buffer from reuse). NOTE
-    [Stealing a fresh grad], replay/calls.py."""
+    [Stealing a fresh grad], nodes/accumulate.py."""
     slots = list(slots)
     marked = False
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is not torch.ops.compiled_autograd.call.default:
             continue
         slot = n.args[0]
-        if slots[slot][0] not in ops.ACCUMULATES or not n.args[1] or not isinstance(n.args[1][0], torch.fx.Node):
+        if not SLOT_KINDS[slots[slot][0]].accumulates or not n.args[1] or not isinstance(n.args[1][0], torch.fx.Node):
             continue
         if _read_only_here(n.args[1][0]):
             slots[slot] = slots[slot]._replace(fresh=True)
-            c = ops.CallArgs.of(n)
-            n.args = tuple(c._replace(flags=c.flags | ops.HANDS_OVER))
+            c = protocol.CallArgs.of(n)
+            n.args = tuple(c._replace(flags=c.flags | protocol.HANDS_OVER))
             marked = True
     if marked:
         gm.recompile()
@@ -121,7 +120,7 @@ def _order_reads_before_calls(
     input (a lifted tensor: saved tensors, parameters; directly or through a view) and
     comes before a call in the traced order becomes an argument of that call, unused by
     it, which orders the read before the call, as the unpack calls' arguments do (the
-    last `n_after` arguments: ops.call drops them). Calls are ordered among themselves,
+    last `n_after` arguments: the kernel drops them). Calls are ordered among themselves,
     so each call needs only the reads since the one before it.
     Reads after a call: a saved tensor that a hook changed before its node runs is eager's
     version-counter error: the last call before a saved tensor's last read also takes it
@@ -131,7 +130,7 @@ def _order_reads_before_calls(
     ctx, a root grad) is read as it is when its node runs, changes included. So an op that
     reads one after a hook or opaque call reads it from that call: the last such call
     before the op takes the tensor as an argument and returns it as an output (the last
-    `flags >> ops.PASSES_SHIFT` of each; the same tensor with eager, aot_eager and inductor,
+    `flags >> protocol.PASSES_SHIFT` of each; the same tensor with eager, aot_eager and inductor,
     whose lowering keeps the call's output buffers from reuse (they are graph inputs); a copy
     with a user's backend), so the read depends on the call (`_passable`). Unpack calls are
     not hooks and pass nothing. (A saved tensor changed through `.data`, which bumps no
@@ -172,8 +171,8 @@ def _order_reads_before_calls(
         """`a` (an unchecked graph input, or a view of one) as call `c` returns it."""
         mine = passes.setdefault(c, {})
         if a not in mine:
-            call_args = ops.CallArgs.of(c)
-            first = call_args.n_outputs + (1 if call_args.flags & ops.DEFINEDNESS else 0)
+            call_args = protocol.CallArgs.of(c)
+            first = call_args.n_outputs + (1 if call_args.flags & protocol.DEFINEDNESS else 0)
             with gm.graph.inserting_after(c):
                 g = gm.graph.call_function(operator.getitem, (c, first + len(mine)))
             g.meta["val"] = a.meta.get("val")
@@ -201,7 +200,7 @@ def _order_reads_before_calls(
                 changed = True
             pending = []
             calls.append(n)
-            if slots[n.args[0]].kind != ops.UNPACK:
+            if not SLOT_KINDS[slots[n.args[0]].kind].ordering_args:
                 hook_call = n
             continue
         if hook_call is not None:
@@ -237,9 +236,9 @@ def _order_reads_before_calls(
         slots[slot] = slots[slot]._replace(n_watch=len(items))
         watch.append((slot, tuple(i for _, i in items)))
         changed = True
-    for c, mine in passes.items():  # after the watched tensors: ops.call takes them off first
-        call_args = ops.CallArgs.of(c)
-        c.args = tuple(call_args._replace(args=list(call_args.args) + list(mine), flags=call_args.flags | (len(mine) << ops.PASSES_SHIFT)))
+    for c, mine in passes.items():  # after the watched tensors: the kernel takes them off first
+        call_args = protocol.CallArgs.of(c)
+        c.args = tuple(call_args._replace(args=list(call_args.args) + list(mine), flags=call_args.flags | (len(mine) << protocol.PASSES_SHIFT)))
         if isinstance(c.meta.get("val"), (list, tuple)):
             c.meta["val"] = [*c.meta["val"], *(g.meta["val"] for g in mine.values())]
     if changed:
@@ -252,14 +251,14 @@ def _mark_shared_args(gm: torch.fx.GraphModule, slots: tuple) -> tuple:
     graph reads too (`Slot.shared`). PyTorch's hooks must not modify their arguments
     (they may return a new gradient instead), but in eager one that does changes the
     tensor for every node the engine runs after it; a compiler may have read it before.
-    ops.call raises if such an argument's version changed rather than follow either."""
+    the kernel raises if such an argument's version changed rather than follow either."""
     call = torch.ops.compiled_autograd.call.default
     slots = list(slots)
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is not call:
             continue
         slot = slots[n.args[0]]
-        if slot.kind not in (ops.TENSOR_PRE_HOOKS, ops.PRE_HOOKS, ops.POST_HOOKS, ops.NODE, ops.HOOKED_ACCUMULATE):
+        if not SLOT_KINDS[slot.kind].shares_args:
             continue
         args = list(n.args[1])[: len(n.args[1]) - slot.in_flags]
         shared = tuple(

@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Callable
 
-from ..cache.memory import CACHE, CompiledBackward
+from ..replay.entries import CACHE, CompiledBackward
 from ..config import Config
 from ..observe.logs import compile_status
 from ..observe.stats import LOCK, STATS

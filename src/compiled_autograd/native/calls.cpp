@@ -289,10 +289,17 @@ struct ReplayFrame {
 
 static thread_local std::vector<ReplayFrame> replay_frames;
 
+// A slot kind's row, as the helper follows it (values.SlotKind: its name, native, stage)
+struct CallKindRow {
+  py::object name;
+  int how; // CallHow
+  int stage; // where in its node's steps it runs (GraphCapture::hooks_added)
+};
+
 struct CallFallbacks {
-  py::object call_direct; // calls.call_direct: any call not on the fast path
-  py::object run_call; // calls._run_call: a call on the fast path these steps do not take
-  std::vector<py::object> kinds; // the slot kinds, in CallKind's order
+  py::object call_direct; // calls/kernel.py call_direct: any call not on the fast path
+  py::object run_call; // calls/kernel.py _run_call: a call on the fast path these steps do not take
+  std::vector<CallKindRow> kinds; // the rows of the kinds the helper runs
   std::vector<at::ScalarType> dtypes; // values._DTYPES
   std::vector<c10::DeviceType> device_types; // values._DEVICE_TYPES
   py::object check_versions, check_ctx, hooks_added_error, shared_modified_error, still_empty_error, conform_error, observed_layout, conformed;
@@ -309,7 +316,8 @@ void install_calls(py::dict fns) {
   f.run_call = fns["run_call"];
   f.kinds.clear();
   for (auto k : py::list(fns["kinds"])) {
-    f.kinds.push_back(py::reinterpret_borrow<py::object>(k));
+    py::tuple row = py::reinterpret_borrow<py::tuple>(k);
+    f.kinds.push_back(CallKindRow{py::reinterpret_borrow<py::object>(row[0]), row[1].cast<int>(), row[2].cast<int>()});
   }
   f.dtypes.clear();
   for (auto d : py::list(fns["dtypes"])) {
@@ -353,19 +361,20 @@ static py::object wrap(at::Tensor t) {
   return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t)));
 }
 
-static int call_kind(py::handle kind) {
+// The row of a slot kind the helper runs: (how, stage); (CALL_PYTHON, -1) for any other
+static std::pair<int, int> call_kind(py::handle kind) {
   const auto& kinds = fallbacks().kinds;
-  for (size_t i = 0; i < kinds.size(); ++i) {
-    if (kind.ptr() == kinds[i].ptr()) {
-      return static_cast<int>(i);
+  for (const auto& row : kinds) {
+    if (kind.ptr() == row.name.ptr()) {
+      return {row.how, row.stage};
     }
   }
-  for (size_t i = 0; i < kinds.size(); ++i) {
-    if (kind.equal(kinds[i])) {
-      return static_cast<int>(i);
+  for (const auto& row : kinds) {
+    if (kind.equal(row.name)) {
+      return {row.how, row.stage};
     }
   }
-  return CALL_OTHER;
+  return {CALL_PYTHON, -1};
 }
 
 // Whether `t` (ours) is the only reference to its tensor and storage (calls._sole_owner). A
@@ -493,8 +502,8 @@ py::object call_direct(int64_t slot, py::list args, py::list meta, int64_t flags
   py::tuple s = py::reinterpret_borrow<py::tuple>(py::handle(f.frame[FrameField::SLOTS])[py::int_(slot)]);
   // values.Slot: (kind, node, mask, in_flags, fresh, n_after, shared, n_watch, at) (SlotField)
   py::handle kind_obj = s[SlotField::KIND];
-  int kind = call_kind(kind_obj);
-  if (kind == CALL_OTHER || c10::impl::tls_local_dispatch_key_set().excluded_ != f.outside) {
+  auto [kind, stage] = call_kind(kind_obj);
+  if (kind == CALL_PYTHON || c10::impl::tls_local_dispatch_key_set().excluded_ != f.outside) {
     return python();
   }
   py::object node_obj = s[SlotField::NODE];
@@ -591,7 +600,7 @@ py::object call_direct(int64_t slot, py::list args, py::list meta, int64_t flags
     inputs.clear();
     outs = conform(kind, f, slot, kind_obj, node_obj, mask, std::move(results), keep, meta, flags);
   }
-  if (f.capture->hooks_added(node, kStage[kind])) {
+  if (f.capture->hooks_added(node, stage)) {
     fb.hooks_added_error(kind_obj, py::handle(f.frame[FrameField::CAPTURE]), node_obj);
   }
   if (n_watch > 0) {

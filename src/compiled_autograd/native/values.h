@@ -94,18 +94,18 @@ struct FrameField {
 // values.PASSES_SHIFT; the others it does not read)
 static constexpr int64_t kDefinedness = 1, kKeepsInputs = 2, kPassesShift = 8;
 
-// the slot kinds (values.py), as this helper numbers them: the order of the `kinds`
-// calls._install_calls hands install_calls
-enum CallKind : int {
-  CALL_OTHER = -1,
+// What the helper runs for a call (values.CallHow). Each slot kind's row in the one table
+// (nodes/__init__.py SLOT_KINDS) names one, with the kind's stage; install_calls gets the rows
+// of the kinds it runs (calls/kernel.py install_native), any other kind goes to Python.
+enum CallHow : int {
+  CALL_PYTHON = -1,
   CALL_TENSOR_PRE_HOOKS = 0,
-  CALL_PRE_HOOKS,
-  CALL_POST_HOOKS,
-  CALL_NODE,
-  CALL_ACCUMULATE,
-  CALL_HOOKED_ACCUMULATE
+  CALL_PRE_HOOKS = 1,
+  CALL_POST_HOOKS = 2,
+  CALL_NODE = 3,
+  CALL_ACCUMULATE = 4,
+  CALL_HOOKED_ACCUMULATE = 5
 };
-static constexpr int kStage[] = {0, 1, 2, 2, 2, 0}; // values._STAGE, in CallKind's order
 
 // values.encode_meta: per output of a call, these fields, then its shape, then its strides
 struct MetaField {

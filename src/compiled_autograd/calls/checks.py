@@ -37,7 +37,7 @@ def _check_ctx(snapshots) -> None:
     (`grad_fn.W = new`), or a global or closure value its backward reads: eager's backward
     reads the new value, the traced one read the old (a tensor lifted, a number keyed) when
     the backward started."""
-    from ..walk.state import read_state
+    from ..nodes.state import read_state
 
     for obj, items, state in snapshots:
         now = vars(obj)

@@ -14,7 +14,7 @@ def defined(bits):
     return torch.stack([flag[pos] for flag, pos in bits]).any()
 
 
-class _Value:
+class Value:
     """A gradient flowing in the traced graph and what its definedness depends on."""
 
     __slots__ = ("t", "bits", "exact", "version")
@@ -28,7 +28,7 @@ class _Value:
         self.version = t._version if exact else None
 
 
-def _sum(a: _Value | None, b: _Value | None) -> _Value | None:
+def sum_grads(a: Value | None, b: Value | None) -> Value | None:
     """Two grads for one node input, summed as the engine's InputBuffer sums them: an
     undefined one adds nothing. What a value holds while undefined is zeros at the call
     that flagged it, but a formula may turn zeros into NaN on the way (0 / 0 where x = 0
@@ -37,17 +37,17 @@ def _sum(a: _Value | None, b: _Value | None) -> _Value | None:
         return b
     if b is None:
         return a
-    bits = None if a.bits is None or b.bits is None else _union(a.bits, b.bits)
-    return _Value(_masked(a) + _masked(b), bits, exact=a.exact and b.exact)
+    bits = None if a.bits is None or b.bits is None else union_bits(a.bits, b.bits)
+    return Value(_masked(a) + _masked(b), bits, exact=a.exact and b.exact)
 
 
-def _masked(v: _Value):
+def _masked(v: Value):
     if v.bits is None or (v.exact and v.t._version == v.version):  # (the zeros the mask would add)
         return v.t
     return torch.where(defined(v.bits), v.t, 0.0)
 
 
-def _union(*bit_sets) -> tuple:
+def union_bits(*bit_sets) -> tuple:
     """The flags of several values, each once: a grad summed from two paths
     that carry the same flags, and every node after it, would otherwise double
     its list at each such sum."""

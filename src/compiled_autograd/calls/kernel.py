@@ -1,21 +1,6 @@
-"""The one opaque operator a captured graph may contain, and its replay context.
-
-NOTE [Opaque calls]
-Hooks (tensor, pre, post, retain_grad, post-accumulate-grad), nodes that cannot
-be traced, and AccumulateGrad when something in the graph may observe `.grad`
-run on real tensors in the middle of the compiled graph. Each such point is one
-`compiled_autograd::call(slot, args, ...)`:
-  * `slot` names what to run: a row of the entry's slot table, `(kind, node)`;
-    the objects to run (hook functions, nodes) come from the current backward's
-    collected graph, so a new hook closure each step is not a new graph.
-  * the output metadata rides along as arguments, so the fake implementation
-    needs no side table and every backend (aot_eager, inductor) can trace it.
-  * the operator is registered as an ORDERED effect: no backend may reorder or
-    drop it, so hooks observe what they would observe in eager.
-Outputs are owned by the graph (NOTE [Outputs the graph owns]) and in the layout it
-was traced with (NOTE [Layouts of call outputs]); a real output whose shape, dtype
-or device differs from what the graph was traced with raises instead of being
-misread by compiled code.
+"""The kernel of `compiled_autograd::call` (NOTE [Opaque calls] in calls/__init__.py): one
+call of a replayed graph, run as its slot kind's row says (nodes/__init__.py SLOT_KINDS), with
+its outputs conformed to what the graph was traced with; and the frame of a running graph.
 
 NOTE [Layouts of call outputs]
 The trace decides each call output's strides before anything runs (make_fx turns
@@ -65,44 +50,15 @@ from __future__ import annotations
 
 import sys
 import threading
-import warnings
 from typing import Optional
 
 import torch
 
-from ..compile import torch_patches
-from ..values import (  # the call protocol; re-exported for the graphs' code and the native helper
-    ReplayFrame,
-    _DTYPES,
-    _DTYPE_CODE,
-    _DEVICE_TYPES,
-    device_code,
-    _device,
-    CallArgs,
-    DEFINEDNESS,
-    KEEPS_INPUTS,
-    FREED_NOT_REUSED,
-    DIRECT,
-    HANDS_OVER,
-    PASSES_SHIFT,
-    TENSOR_PRE_HOOKS,
-    PRE_HOOKS,
-    POST_HOOKS,
-    NODE,
-    ACCUMULATE,
-    UNPACK,
-    HOOKED_ACCUMULATE,
-    ACCUMULATES,
-    _STAGE,
-    OutputMeta,
-    observed_layout,
-    dim_order,
-    dense_order,
-    encode_meta,
-    decode_meta,
-)
 from ..errors import ResumeHere
+from ..nodes import SLOT_KINDS
+from ..values import observed_layout
 from .checks import _check_ctx, _check_versions, _hooks_added_error, _shared_modified_error, _still_empty_error
+from .protocol import DEFINEDNESS, DTYPES, DEVICE_TYPES, KEEPS_INPUTS, PASSES_SHIFT, ReplayFrame, decode_meta
 
 
 class _Replay(threading.local):
@@ -167,7 +123,7 @@ class replaying:
     def __enter__(self):
         _replay.last.append(None)
         try:
-            _native().push_replay(self.frame, _replay.last)
+            native_calls().push_replay(self.frame, _replay.last)
         except BaseException:  # nothing pushed: leave both stacks as they were
             _replay.last.pop()
             raise
@@ -177,7 +133,7 @@ class replaying:
         return self
 
     def __exit__(self, exc_type, *exc):
-        _native().pop_replay()
+        native_calls().pop_replay()
         _replay.stack.pop()
         _replay.tasks.pop()
         _replay.resumable.pop()
@@ -187,14 +143,14 @@ class replaying:
 
 
 # NOTE [Engine queries from hooks]
-# Hooks run inside a one-node eager graph task (graph_task.in_graph_task), so what
+# Hooks run inside a one-node eager graph task (calls/graph_task.py in_graph_task), so what
 # the engine answers about "the current backward" is about that task, not ours.
 # torch.autograd.graph.register_multi_grad_hook(mode="all") counts the calls it
 # waits for with torch._C._will_engine_execute_node: every node but that one
 # node read as "will not run", so it waited for none and never called its
 # function. While a graph of ours runs, that query (from its own graph task: not
 # a nested eager backward's) is answered from the captured graph instead.
-def _will_engine_execute_node(node):
+def will_engine_execute_node(node):
     """The captured graph's answer, from its own graph task; None: eager's answer (the
     patch of torch._C._will_engine_execute_node is compile/torch_patches.py's)."""
     if _replay.stack and _replay.tasks[-1] != -1 and _replay.tasks[-1] == torch._C._current_graph_task_id():
@@ -202,10 +158,8 @@ def _will_engine_execute_node(node):
     return None
 
 
-torch_patches.engine_query = _will_engine_execute_node
 
-
-def _call(
+def call_kernel(
     slot: int,
     args: list[Optional[torch.Tensor]],
     meta: list[int],
@@ -222,6 +176,7 @@ def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
     versions, ctx, releases, observed = frame.versions, frame.ctx, frame.releases, frame.observed
     s = slots[slot]
     kind, node, mask, in_flags, fresh, n_after, shared, n_watch = s.kind, s.node, s.mask, s.in_flags, s.fresh, s.n_after, s.shared, s.n_watch
+    row = SLOT_KINDS[kind]
     passed = ()
     if flags >> PASSES_SHIFT:  # graph inputs read after this call: returned, so read after it
         n = flags >> PASSES_SHIFT
@@ -249,14 +204,14 @@ def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
     inside = torch._C._dispatch_tls_local_exclude_set()
     undo = _set_exclude_set(outside, inside) if inside != outside else ()
     try:
-        if kind in ACCUMULATES:
-            outs = accumulate(capture, node, args, steal if fresh else None, kind == HOOKED_ACCUMULATE)
+        if row.accumulates:
+            outs = row.run(capture, node, args, mask, None, hooks, steal if fresh else None)
         else:
             keeps = keep and flags & KEEPS_INPUTS
             # a grad a hook keeps (`seen.append(g)`) must not become `.grad` as it is: eager's
             # AccumulateGrad sees the hook's reference and copies (NOTE [Stealing a fresh grad])
-            counts = [(a, sys.getrefcount(a)) for a in args if a is not None] if steal is not None and kind != UNPACK else ()
-            outs = _run_slot(capture, slot, kind, node, mask, args, meta, flags, hooks, shared if keeps else None, observed,
+            counts = [(a, sys.getrefcount(a)) for a in args if a is not None] if steal is not None and not row.ordering_args else ()
+            outs = _run_slot(capture, slot, row, node, mask, args, meta, flags, hooks, shared if keeps else None, observed,
                              slot in _replay.resumable[-1])
             for a, n in counts:
                 if sys.getrefcount(a) - sum(o is a for o in outs) > n:
@@ -284,42 +239,18 @@ def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
 
 def check_hooks_added(capture, kind, node) -> None:
     """Raise where what a call ran gave hooks to a node the graph has no call for."""
-    if kind != UNPACK and capture.hooks_added(node, _STAGE[kind]):
+    stage = SLOT_KINDS[kind].stage
+    if stage >= 0 and capture.hooks_added(node, stage):
         _hooks_added_error(kind, capture, node)
 
 
-def _run_slot(capture, slot, kind, node, mask, args, meta, flags, hooks, shared=None, observed=None, stop=False):
-    if kind == UNPACK:
-        from ..nodes.saved_tensors import unpack
-
-        pair, hooks[node] = hooks[node], None  # unpacked once, as eager does: the packed value can go
-        if pair is None:
-            raise RuntimeError("compiled_autograd: a saved tensor was unpacked twice by one graph")
-        hook, packed, learned = pair
-        del pair
-        outs = [unpack(hook, packed)]
-        del hook, packed
-        if learned is not None:
-            from ..nodes.saved_tensors import LEARNED
-
-            expected = decode_meta(meta)[0]
-            LEARNED.check(learned, outs[0], expected.shape, expected.dtype, expected.device)
-    elif kind == TENSOR_PRE_HOOKS:
-        outs = capture.call_tensor_pre_hooks(node, args)
-    elif kind == PRE_HOOKS:
-        outs = capture.call_pre_hooks(node, args)
-    elif kind == POST_HOOKS:
-        n = len(mask)
-        outs = capture.call_post_hooks(node, args[:n], args[n:])
-    elif kind == NODE:
-        outs = capture.call_node(node, args)
-    else:
-        raise AssertionError(f"unknown slot kind {kind}")
+def _run_slot(capture, slot, row, node, mask, args, meta, flags, hooks, shared=None, observed=None, stop=False):
     metas = decode_meta(meta)
+    outs = row.run(capture, node, args, mask, metas, hooks, None)
     if stop:
         _stop_if_relaid(slot, mask, outs, metas, observed, args)
     keep = () if shared is None else [a for i, a in enumerate(args) if a is not None and i not in shared]
-    return _conform(kind, capture, node, mask, outs, keep, metas, flags, slot, observed)
+    return _conform(row.name, capture, node, mask, outs, keep, metas, flags, slot, observed)
 
 
 def _stop_if_relaid(slot, mask, outs, metas, observed, args) -> None:
@@ -352,71 +283,7 @@ def input_storages(args):
     return native.load().StorageSet([t for t in args if isinstance(t, torch.Tensor)])
 
 
-def accumulate(capture, node, args, steal, hooked=False):
-    """NOTE [Stealing a fresh grad]
-    AccumulateGrad runs inside the graph when hooks or opaque nodes could
-    observe `.grad` (DDP's reducer, module hooks). Eager's AccumulateGrad takes
-    the incoming grad as `.grad` without a copy when nothing else refers to it
-    (it "steals" it); here the graph's code still refers to it, so it would copy
-    every parameter's gradient (a 4 MB copy, and fresh pages to fault in, per
-    weight of the D=1024 MLP: 1.3-1.8x eager's backward with such hooks, where
-    it is 0.8-1.0x without). So AccumulateGrad gets a new tensor on the grad's
-    memory that nothing else refers to, and applies its own rule to it (steal
-    if the layout contract holds, else copy), as eager decides for the grad its
-    engine hands it, when that memory is the graph's own and nothing writes
-    into it afterwards:
-      * the traced graph computed it (an op's result or a view of one, not a
-        view of a graph input) and reads it nowhere else (a hook may change
-        `.grad` in place; eager copies a grad its engine still holds for
-        another node): `fresh`, trace._mark_fresh_grads;
-      * at run time its storage is none of the graph inputs' (`steal`: those
-        storages, by identity; a compiler that removes no-ops could hand over
-        an input), nor of a tensor a hook kept (its reference count rose across
-        the hook's call, `input_storages(...).add`: a logging hook storing its grad;
-        eager's AccumulateGrad sees that reference and copies);
-      * nothing in the compiled code writes into it afterwards: the eager
-        graph and aot_eager run functional aten ops; inductor reuses a dead
-        buffer for a later result (`buf3 = buf1; del buf1  # reuse`), so the
-        call is marked in the graph (its flags have HANDS_OVER) and our
-        lowering of it (backends._register_inductor_lowering) puts the grad's
-        buffer in inductor's never-reuse set. (Making it a graph output would
-        stop the reuse too, but keep every new grad alive to the end of the
-        graph when it is added into an existing `.grad`.) A user's backend
-        gets the copy, as torch's built-in copies every such grad.
-
-    NOTE [A leaf's hooks and its accumulation in one call]
-    A leaf's tensor hooks (`param.register_hook`: logging, clipping, DDP-style
-    bucketing) run right before its AccumulateGrad, in the same step of the
-    engine, and what they return is what it accumulates. Two calls cost two
-    trips out of the compiled code and back (dispatch, the frame, conforming the
-    hooks' result to the graph's expectations), ~80 us per hooked parameter
-    against eager's ~3 us; so a leaf whose grad is always defined, and whose
-    AccumulateGrad node has no pre or post hooks of its own (those see what the
-    tensor hooks returned), gets one call (`hooked`,
-    GraphCapture.accumulate_graph_grad), which hands the hooks' result to
-    AccumulateGrad as the engine does: nothing of the graph sees it. The hooks
-    get the grad as the lone call got it: a tensor nothing else refers to on
-    the graph's buffer when that may be stolen (above), so a hook that keeps it
-    raises its reference count and AccumulateGrad copies, as eager's does."""
-    grad, defined = args[0], (args[1] if len(args) > 1 else None)
-    if grad is None or (defined is not None and not bool(defined)):
-        return []
-    # (the new tensor on the grad's memory is made there: no Python object refers to it)
-    capture.accumulate_graph_grad(node, grad, hooked, steal)
-    return []
-
-
-call = torch.library.custom_op("compiled_autograd::call", _call, mutates_args=())
-# The kernel is registered once more, directly: custom_op's wrapper of it checks that no
-# output aliases an input, which a hook that returns its grad unchanged may do here (NOTE
-# [Outputs the graph owns]: only where that is safe), and costs a few microseconds a call.
-_lib = torch.library.Library("compiled_autograd", "FRAGMENT")
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", UserWarning)  # "Overriding a previously registered kernel"
-    _lib.impl("call", _call, "CompositeExplicitAutograd", allow_override=True)
-
-
-_op = torch.ops.compiled_autograd.call.default
+_op = None  # torch.ops.compiled_autograd.call.default, once installed (calls/__init__.py install)
 
 
 def _fast_path() -> bool:
@@ -425,7 +292,7 @@ def _fast_path() -> bool:
     return not torch.is_grad_enabled() and torch._C._len_torch_dispatch_stack() == 0
 
 
-def _call_at_autograd(slot, args, meta, flags):
+def call_at_autograd(slot, args, meta, flags):
     """The kernel at the Autograd key. A compiled graph calls the op with grad mode off and no
     dispatch mode active: the kernel runs there and then, skipping custom_op's Python
     autograd wrapper and its redispatch below autograd (about 20 us of a call's ~120). The
@@ -441,19 +308,15 @@ def _call_at_autograd(slot, args, meta, flags):
 def call_direct(slot, args, meta, flags):
     """The call without the dispatcher (its boxing of the arguments costs ~10 us), for the
     graphs that run as Python code we generate (the eager backend, aot_eager's graph:
-    compile/backends.py): the same kernel, where the dispatcher would run it directly."""
+    compile/boxed.py): the same kernel, where the dispatcher would run it directly."""
     if _fast_path():
         return _run_call(slot, args, meta, flags)
     return _op(slot, args, meta, flags)
 
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", UserWarning)  # "Overriding a previously registered kernel"
-    _lib.impl("call", _call_at_autograd, "Autograd", allow_override=True)
-
-# The name inductor's generated Python code calls a call by (backends._register_inductor_lowering):
-# the direct call, reachable from the `torch` every such module imports
-_op._compiled_autograd_direct = call_direct
+# The name inductor's generated Python code calls a call by (compile/inductor.py
+# _register_inductor_lowering): the direct call, reachable from the `torch` every such module
+# imports (install sets it)
 DIRECT_KERNEL_NAME = "torch.ops.compiled_autograd.call.default._compiled_autograd_direct"
 
 # NOTE [Calls in the helper]
@@ -466,37 +329,39 @@ DIRECT_KERNEL_NAME = "torch.ops.compiled_autograd.call.default._compiled_autogra
 # opaque-node calls through the same steps as _run_call, in C++, and raises
 # through the same functions here (_hooks_added_error, _check_versions,
 # _check_ctx, _shared_modified_error, _conform for what it rejects): the
-# replay's frame is pushed to the helper as well (replaying). An unpack call,
-# a call off the fast path (grad mode on, a dispatch mode active), or one whose
-# thread excludes other dispatch keys than the backward call did, goes to
+# replay's frame is pushed to the helper as well (replaying). It follows the same
+# slot-kind table (nodes/__init__.py SLOT_KINDS: each kind's CallHow and stage). An
+# unpack call, a call off the fast path (grad mode on, a dispatch mode active), or
+# one whose thread excludes other dispatch keys than the backward call did, goes to
 # call_direct or _run_call here.
-direct = call_direct  # what compiled code calls: the helper's, once loaded (_native)
+direct = call_direct  # what compiled code calls: the helper's, once loaded (native_calls)
 _native_module = None
 
 
-def _native():
+def native_calls():
     """The native helper, with its direct call installed (NOTE [Calls in the helper])."""
     global _native_module, direct
     if _native_module is None:
         from .. import native
 
         mod = native.load()
-        _install_calls(mod)
+        install_native(mod)
         direct = _op._compiled_autograd_direct = mod.call_direct
         _native_module = mod
     return _native_module
 
 
-def _install_calls(mod, run_call=None) -> None:
-    """Give the helper's direct call the Python it hands other calls to (`run_call`:
-    _run_call, or a test's wrapper of it)."""
+def install_native(mod, run_call=None) -> None:
+    """Give the helper's direct call the slot-kind table and the Python it hands other calls
+    to (`run_call`: _run_call, or a test's wrapper of it)."""
     mod.install_calls(
         {
             "call_direct": call_direct,
             "run_call": run_call or _run_call,
-            "kinds": [TENSOR_PRE_HOOKS, PRE_HOOKS, POST_HOOKS, NODE, ACCUMULATE, HOOKED_ACCUMULATE],
-            "dtypes": _DTYPES,
-            "device_types": _DEVICE_TYPES,
+            # (name, CallHow, stage) of each kind the helper runs
+            "kinds": [(row.name, int(row.native), row.stage) for row in SLOT_KINDS.values() if row.native >= 0],
+            "dtypes": DTYPES,
+            "device_types": DEVICE_TYPES,
             "conform_error": _conform_error,
             "observed_layout": observed_layout,
             "conformed": lambda meta, k, t: decode_meta(meta)[k].conformed(t),
@@ -509,52 +374,14 @@ def _install_calls(mod, run_call=None) -> None:
     )
 
 
-def _register_aliasing_check_exemption():
-    """AOTAutograd runs a compiled function's first call under a mode that checks that no custom
-    op's output aliases its input (torch._functorch.config.check_custom_op_aliasing; an error
-    where the environment sets CI, a warning elsewhere). A call that hands its grad back does
-    alias, where that is safe (NOTE [Outputs the graph owns]), so under that mode the call runs
-    unchecked; every other op is still checked."""
-    import torch._dynamo  # noqa: F401  (imported first, runtime_wrappers' import is circular)
-
-    try:
-        from torch._functorch._aot_autograd.runtime_wrappers import _AnalyzeCustomOpInputOutputMode
-    except ImportError:  # pragma: no cover - another torch
-        return
-
-    def unchecked(mode, func, types, args, kwargs):
-        return func(*args, **(kwargs or {}))
-
-    call.register_torch_dispatch(_AnalyzeCustomOpInputOutputMode, unchecked)
-
-
-_register_aliasing_check_exemption()
-
-
-@call.register_fake
-def _call_fake(slot, args, meta, flags):
+def call_fake(slot, args, meta, flags):
+    """The op's outputs on fakes: as its `meta` says, then its flags' and passed inputs'."""
     outs = [m.empty() for m in decode_meta(meta)]
     if flags & DEFINEDNESS:
         outs.append(torch.empty(len(outs), dtype=torch.bool))
     if flags >> PASSES_SHIFT:  # returned as they are: same geometry
         outs += [torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device) for a in args[-(flags >> PASSES_SHIFT) :]]
     return outs
-
-
-def _register_effect():
-    try:
-        from torch._library.effects import EffectType
-
-        torch.library._register_effectful_op("compiled_autograd::call", EffectType.ORDERED)
-    except Exception:  # pragma: no cover - older torch
-        from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
-
-        _register_effectful_op(torch.ops.compiled_autograd.call.default, _EffectType.ORDERED)
-
-
-_register_effect()
-# graph passes that only know FX's own notion of purity must not drop it either
-torch.fx.node.has_side_effect(torch.ops.compiled_autograd.call.default)
 
 
 def _conform(kind, capture, node, mask, outs, keep, metas, flags, slot=None, observed=None):
@@ -571,7 +398,8 @@ def _conform(kind, capture, node, mask, outs, keep, metas, flags, slot=None, obs
     # `outs` (the list the hook or node returned) is taken over: its entries are
     # cleared as they are read, so that a private tensor has no reference left but ours
     outs.extend([None] * (len(mask) - len(outs)))
-    if kind not in (NODE, UNPACK) and any(o is not None and not m for o, m in zip(outs, mask)):
+    row = SLOT_KINDS[kind]
+    if not row.new_grads_go_nowhere and any(o is not None and not m for o, m in zip(outs, mask)):
         raise RuntimeError(
             f"compiled_autograd: {kind.replace('_', ' ')} of {capture.node_name(node)} returned a gradient "
             "where the backward had None; the compiled graph cannot follow"
@@ -586,7 +414,7 @@ def _conform(kind, capture, node, mask, outs, keep, metas, flags, slot=None, obs
             continue
         present.append(True)
         if list(o.shape) != list(m.shape) or o.dtype != m.dtype or o.device != m.device:
-            what = "the unpack hook of a saved tensor" if kind == UNPACK else f"{kind.replace('_', ' ')} of {capture.node_name(node)}"
+            what = row.what or f"{kind.replace('_', ' ')} of {capture.node_name(node)}"
             raise RuntimeError(
                 f"compiled_autograd: {what} returned a tensor of {tuple(o.shape)}/{o.dtype}/{o.device} "
                 f"where the graph was traced with {tuple(m.shape)}/{m.dtype}/{m.device}"
