@@ -1,7 +1,9 @@
-"""The few options compiled_autograd has, and the scope they apply to.
+"""The few options compiled_autograd has, the scope they apply to, and the environment.
 
 Options are set with `ca.enable(...)` (a context manager) and read through
-`current()`, a context variable, so they nest and are per thread/task.
+`current()`, a context variable, so they nest and are per thread/task. Every
+environment variable the library reads is named here (`ENVIRONMENT`), each read
+when it is used: a user (or a test) may set it between backwards.
 """
 
 from __future__ import annotations
@@ -10,9 +12,39 @@ import contextvars
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from .values import BackendLike
+
+
+class EnvVar(NamedTuple):
+    """One environment variable: its name, its value when unset, what it does."""
+
+    name: str
+    default: str
+    help: str
+
+    def read(self) -> str:
+        """Its value now (the default where it is unset)."""
+        return os.environ.get(self.name, self.default)
+
+    def on(self) -> bool:
+        """A switch: anything but "0" is on."""
+        return self.read() != "0"
+
+
+DISK_CACHE = EnvVar("COMPILED_AUTOGRAD_DISK_CACHE", "1", "0: the disk cache is off unless enable(disk_cache=True)")
+GRAPH_DIR = EnvVar("COMPILED_AUTOGRAD_GRAPH_DIR", "", "the disk cache's directory (default: <cache dir>/graphs)")
+GRAPH_DIR_MAX_BYTES = EnvVar("COMPILED_AUTOGRAD_GRAPH_DIR_MAX_BYTES", "", "the disk cache's budget in bytes (default 1 GiB)")
+CACHE_DIR = EnvVar("COMPILED_AUTOGRAD_CACHE_DIR", "", "where the native helper is built and cached (default: $XDG_CACHE_HOME/compiled_autograd)")
+XDG_CACHE_HOME = EnvVar("XDG_CACHE_HOME", "", "the user's cache directory (default: ~/.cache)")
+LOG = EnvVar("COMPILED_AUTOGRAD_LOG", "", "info or debug: the compiled_autograd logger prints to stderr")
+RECORD = EnvVar("COMPILED_AUTOGRAD_RECORD", "1", "0: every capture is traced with make_fx (NOTE [Recording a static trace])")
+RECORD_LIVE = EnvVar("COMPILED_AUTOGRAD_RECORD_LIVE", "1", "0: no capture is recorded on the real tensors (NOTE [Recording on the real tensors])")
+UNTESTED_TORCH = EnvVar("COMPILED_AUTOGRAD_UNTESTED_TORCH", "", "1: compile on a torch release the library was not written for")
+ENVIRONMENT = (DISK_CACHE, GRAPH_DIR, GRAPH_DIR_MAX_BYTES, CACHE_DIR, XDG_CACHE_HOME, LOG, RECORD, RECORD_LIVE, UNTESTED_TORCH)
+# (compile/background.py reads COMPILED_AUTOGRAD_COMPILE_NICE and COMPILED_AUTOGRAD_EXIT_WAIT,
+# compile/child.py COMPILED_AUTOGRAD_COMPILE_PROCESS and COMPILED_AUTOGRAD_CHILD_NICE, itself)
 
 
 @dataclass(frozen=True)
@@ -73,7 +105,7 @@ class Config:
     opaque: tuple = ()
     dynamic: bool | None = None
     background: bool | None = None
-    disk_cache: bool = field(default_factory=lambda: os.environ.get("COMPILED_AUTOGRAD_DISK_CACHE", "1") != "0")
+    disk_cache: bool = field(default_factory=DISK_CACHE.on)
     mode: str | None = None
     options: tuple = ()  # sorted (name, value) pairs; a dict is accepted
 

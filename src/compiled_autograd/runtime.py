@@ -44,21 +44,33 @@ UNUSED_INPUT_ERROR = (
 )
 
 
-_warned: set[str] = set()
-_unsupported: dict[tuple, str] = {}  # key -> why its capture fell back (not traced again)
-_failures: Counter = Counter()  # key -> captures (trace, compile or first run) that raised
 MAX_CAPTURE_FAILURES = 2  # then that key runs eagerly without tracing it again
 
 
-def _mark_unsupported(key, reason: str) -> None:
-    if len(_unsupported) < 1024:
-        _unsupported[key] = reason
+class _Refusals:
+    """What earlier backwards decided against: the keys whose capture falls back, the captures
+    that raised, the fallback reasons already warned about."""
+
+    def __init__(self):
+        self.unsupported: dict[tuple, str] = {}  # key -> why its capture fell back (not traced again)
+        self.failures: Counter = Counter()  # key -> captures (trace, compile or first run) that raised
+        self.warned: set[str] = set()
+
+    def mark_unsupported(self, key, reason: str) -> None:
+        if len(self.unsupported) < 1024:
+            self.unsupported[key] = reason
+
+    def clear(self) -> None:
+        self.unsupported.clear()
+        self.failures.clear()
+        self.warned.clear()
+
+
+REFUSALS = _Refusals()
 
 
 def reset_runtime() -> None:
-    _warned.clear()
-    _unsupported.clear()
-    _failures.clear()
+    REFUSALS.clear()
     captures.reset()
     learned.reset()
     background.reset()
@@ -74,8 +86,8 @@ def _fall_back(cfg: Config, reason: str, eager: Callable[[], Any], user_error: b
     with LOCK:
         STATS.eager_fallbacks += 1
         reasons.count(STATS.fallback_reasons, STATS.fallback_details, reason, reasons.FALLBACKS)
-    if reason not in _warned:
-        _warned.add(reason)
+    if reason not in REFUSALS.warned:
+        REFUSALS.warned.add(reason)
         warnings.warn(f"compiled_autograd: running a backward in eager autograd: {reason}", stacklevel=4)
     log.info("eager fallback: %s", reason)
     return result
@@ -137,7 +149,7 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
         return learned.learn_in_eager(collected, eager)
 
     key = CacheKey(cfg.backend_key, global_state(), cfg.opaque, create_graph, collected.key)
-    reason = _unsupported.get(key) if _unsupported else None
+    reason = REFUSALS.unsupported.get(key) if REFUSALS.unsupported else None
     fam = CACHE.family(key)
     if create_graph and reason is None and fam is None:
         # (hooks, opaque nodes and saved-tensor hooks are in the key: checked once per key)
@@ -145,7 +157,7 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
 
         reason = create_graph_unsupported(collected)
         if reason is not None:
-            _mark_unsupported(key, reason)
+            REFUSALS.mark_unsupported(key, reason)
     if reason is not None:
         collected = None  # (eager frees the saved tensors as it goes: nothing of ours may hold them)
         capture.clear()
@@ -335,7 +347,7 @@ class _OneBackward:
         capture.clear()
         pause.resume()
         if isinstance(e, Fallback):
-            _mark_unsupported(key, e.reason)
+            REFUSALS.mark_unsupported(key, e.reason)
             return _fall_back(cfg, e.reason, eager)
         if cfg.fullgraph:
             raise e
@@ -344,9 +356,9 @@ class _OneBackward:
         if self.missed and not STATS.compiles_pending:
             # (not while a background compile runs: torch.fx's tracer keeps its patching
             # state in a process global, and two traces at once can fail one of them)
-            _failures[key] += 1
-            if _failures[key] >= MAX_CAPTURE_FAILURES:
-                _mark_unsupported(key, reason)
+            REFUSALS.failures[key] += 1
+            if REFUSALS.failures[key] >= MAX_CAPTURE_FAILURES:
+                REFUSALS.mark_unsupported(key, reason)
         return _fall_back(cfg, reason, eager)
 
     def finish(self, results, accumulate_grad, allow_unused):

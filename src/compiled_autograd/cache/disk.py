@@ -65,7 +65,7 @@ from pathlib import Path
 
 import torch
 
-from .. import calls, native
+from .. import calls, config, native
 
 log = logging.getLogger("compiled_autograd")
 
@@ -73,7 +73,7 @@ FORMAT = 2
 
 
 # NOTE [Disk cache size]: the one place the budget is defined
-MAX_BYTES_ENV = "COMPILED_AUTOGRAD_GRAPH_DIR_MAX_BYTES"
+MAX_BYTES_ENV = config.GRAPH_DIR_MAX_BYTES.name
 DEFAULT_MAX_BYTES = 1 << 30
 STALE_TMP_SECONDS = 3600  # a temp file this old is a crashed store's: removed by `_evict`
 
@@ -94,7 +94,7 @@ def _warn_once(path: Path, why: str) -> None:
 def _root() -> Path | None:
     """The graph directory, or None (warned once) where it cannot be used
     (NOTE [Private cache], NOTE [The disk cache never fails a backward])."""
-    override = os.environ.get("COMPILED_AUTOGRAD_GRAPH_DIR")
+    override = config.GRAPH_DIR.read()
     root = Path(override) if override else native.cache_root() / "graphs"
     try:
         try:
@@ -221,7 +221,7 @@ def _path(pkey: bytes) -> Path | None:
 
 def max_bytes() -> int:
     """The disk cache's budget (NOTE [Disk cache size])."""
-    value = os.environ.get(MAX_BYTES_ENV)
+    value = config.GRAPH_DIR_MAX_BYTES.read()
     if not value:
         return DEFAULT_MAX_BYTES
     try:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,11 +43,11 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from .. import config
 from ..errors import NeedsOpaque, NotTwiceDifferentiable
 from ..nodes import FAMILIES, accumulate, builtin, hooks, opaque, saved_tensors
 from ..calls import protocol
-from ..values import OutputMeta, Plan, Slot
-from ..values import Collected
+from ..values import Collected, OutputMeta, Plan, Slot
 from ..observe.stats import LOCK, STATS
 from .fakes import fake_inputs
 from .record import Recorder, record
@@ -417,8 +416,8 @@ def _plan(gm, tracer, collected, captured, differentiable, num_results) -> Plan:
 # NOTE [Recording a static trace] (capture/record.py); COMPILED_AUTOGRAD_RECORD=0 traces every
 # capture with make_fx; COMPILED_AUTOGRAD_RECORD_LIVE=0 records every static capture on fakes
 # (NOTE [Recording on the real tensors])
-RECORD = os.environ.get("COMPILED_AUTOGRAD_RECORD", "1") != "0"
-LIVE = os.environ.get("COMPILED_AUTOGRAD_RECORD_LIVE", "1") != "0"
+RECORD = config.RECORD.on()
+LIVE = config.RECORD_LIVE.on()
 
 
 def leaf_hooks_only(n) -> bool:
