@@ -41,8 +41,9 @@ XDG_CACHE_HOME = EnvVar("XDG_CACHE_HOME", "", "the user's cache directory (defau
 LOG = EnvVar("COMPILED_AUTOGRAD_LOG", "", "info or debug: the compiled_autograd logger prints to stderr")
 RECORD = EnvVar("COMPILED_AUTOGRAD_RECORD", "1", "0: every capture is traced with make_fx (NOTE [Recording a static trace])")
 RECORD_LIVE = EnvVar("COMPILED_AUTOGRAD_RECORD_LIVE", "1", "0: no capture is recorded on the real tensors (NOTE [Recording on the real tensors])")
+LINT = EnvVar("COMPILED_AUTOGRAD_LINT", "0", "1: every captured graph is linted after its passes (slower; the tests set it)")
 UNTESTED_TORCH = EnvVar("COMPILED_AUTOGRAD_UNTESTED_TORCH", "", "1: compile on a torch release the library was not written for")
-ENVIRONMENT = (DISK_CACHE, GRAPH_DIR, GRAPH_DIR_MAX_BYTES, CACHE_DIR, XDG_CACHE_HOME, LOG, RECORD, RECORD_LIVE, UNTESTED_TORCH)
+ENVIRONMENT = (DISK_CACHE, GRAPH_DIR, GRAPH_DIR_MAX_BYTES, CACHE_DIR, XDG_CACHE_HOME, LOG, RECORD, RECORD_LIVE, LINT, UNTESTED_TORCH)
 # (compile/background.py reads COMPILED_AUTOGRAD_COMPILE_NICE and COMPILED_AUTOGRAD_EXIT_WAIT,
 # compile/child.py COMPILED_AUTOGRAD_COMPILE_PROCESS and COMPILED_AUTOGRAD_CHILD_NICE, itself)
 

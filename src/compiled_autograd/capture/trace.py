@@ -53,7 +53,8 @@ from .fakes import fake_inputs
 from .record import Recorder, record
 from ..nodes.grads import Value, defined, sum_grads, union_bits
 from . import resume
-from .passes import _mark_fresh_grads, _mark_shared_args, _order_reads_before_calls, _passable, _releases, _version_checked
+from .lint import lint
+from .passes import mark_fresh_grads, mark_shared_args, passable_inputs, releases, reorder_for_calls, version_checked_inputs
 
 log = logging.getLogger("compiled_autograd")
 
@@ -390,13 +391,15 @@ def _plan(gm, tracer, collected, captured, differentiable, num_results) -> Plan:
         for i in range(len(tracer.nodes))
         if tracer.nodes[i].execute and opaque.is_opaque(tracer, i)
     )
-    slots, watch = _order_reads_before_calls(
+    slots, watch = reorder_for_calls(
         gm,
-        _mark_shared_args(gm, _mark_fresh_grads(gm, tracer.slots)),
-        _version_checked(collected),
-        _passable(collected),
+        mark_shared_args(gm, mark_fresh_grads(gm, tracer.slots)),
+        version_checked_inputs(collected),
+        passable_inputs(collected),
         collected.arriving,
     )
+    if config.LINT.on():  # NOTE [The layout of a call's arguments] (capture/lint.py)
+        lint(gm, slots)
     return Plan(
         slots=slots,
         watch=watch,
@@ -406,7 +409,7 @@ def _plan(gm, tracer, collected, captured, differentiable, num_results) -> Plan:
         opaque=opaque_nodes,
         num_results=num_results,
         differentiable=differentiable,
-        releases=_releases(tracer.slots, tracer.nodes),
+        releases=releases(tracer.slots, tracer.nodes),
         leaf_hooks=tuple(tracer.leaf_hooks),
         resume=resume.points(gm, tracer),
         result_calls=tuple(tracer.result_calls),
