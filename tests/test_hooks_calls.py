@@ -117,7 +117,7 @@ def test_hook_and_node_calls_run_in_the_helper(backend):
 
 
 def test_hooked_backwards_in_two_threads_each_use_their_own_replay():
-    # NOTE [Calls in the helper]: the helper's replay frames are per thread, as ops._replay is:
+    # NOTE [Calls in the helper]: the helper's replay frames are per thread, as kernel._replay is:
     # two threads running compiled backwards with hook calls at once each get their own results
     def make(seed):
         torch.manual_seed(seed)

@@ -5,8 +5,9 @@ may import whom: the pipeline from walk/ down to replay/, with the call protocol
 families and the values underneath and observe/ beside) and what must never be. An import
 between two parts must follow the drawn arrows (straight, or through parts in between); no two
 folders import each other; no module imports a private name of another folder (a name another
-folder needs is public, and lives where both can see it). Like a line budget, this fails the
-suite where a change breaks a wall, naming the import.
+folder needs is public, and lives where both can see it). Like a line budget (which it keeps
+too: modules, functions, C++ classes), this fails the suite where a change breaks a wall, naming
+the import.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -179,3 +181,33 @@ def test_a_wall_broken_is_caught():
     assert any(v.startswith("folders low and top import each other") for v in found), found
     assert any(v.startswith("never Side -> Top") for v in found), found
     assert violations({"src/compiled_autograd/top/a.py": "from ..low.b import thing\n"}, board) == []
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_CLASS_LINES = 600, 100, 400
+
+
+def _cpp_classes(source: str):
+    """(name, lines) of each C++ class or struct defined at the start of a line."""
+    for m in re.finditer(r"^(?:class|struct)\s+(\w+)[^;{]*\{", source, re.M):
+        i, depth = m.end(), 1
+        while depth and i < len(source):
+            depth += {"{": 1, "}": -1}.get(source[i], 0)
+            i += 1
+        yield m.group(1), source[m.start() : i].count("\n") + 1
+
+
+def test_rooms_stay_small():
+    """The limits the house keeps (a module read in one sitting): modules of at most 600 lines,
+    functions of at most 100, C++ classes of at most 400."""
+    big = []
+    for path, source in _package_sources().items():
+        if source.count("\n") > MAX_MODULE_LINES:
+            big.append(f"{path}: {source.count(chr(10))} lines")
+        for f in ast.walk(ast.parse(source)):
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.end_lineno - f.lineno + 1 > MAX_FUNCTION_LINES:
+                big.append(f"{path}:{f.lineno} {f.name}: {f.end_lineno - f.lineno + 1} lines")
+    for p in sorted((SRC / PACKAGE / "native").glob("*.[ch]*")):
+        for name, lines in _cpp_classes(p.read_text()):
+            if lines > MAX_CLASS_LINES:
+                big.append(f"{os.path.relpath(p, ROOT)}: class {name}: {lines} lines")
+    assert big == []

@@ -27,7 +27,7 @@ WRITTEN_FOR: dict[str, Range] = {
     "native helper": ((2, 13), (2, 15)),
     # NOTE [One fx trace at a time] (the flag became thread-local in 2.14; the lock stays)
     "fx traces": ((2, 13), (2, 15)),
-    # NOTE [Engine queries from hooks] (replay/calls.py)
+    # NOTE [Engine queries from hooks] (calls/kernel.py)
     "engine queries": ((2, 13), (2, 15)),
     # NOTE [One compile at a time]
     "dynamo compiles": ((2, 13), (2, 15)),

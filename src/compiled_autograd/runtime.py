@@ -3,7 +3,7 @@
 The lifecycle of a backward, named as the code names it:
   collect  the native walker visits the graph in engine order and builds the key
   capture  on a miss: trace the whole backward into one FX graph (capture/trace.py)
-  compile  hand that graph to the backend (compile/backends.py), store it (cache/memory.py)
+  compile  hand that graph to the backend (compile/backends.py), store it (replay/entries.py)
   replay   run the compiled graph on the lifted tensors, then apply its outputs
            with eager semantics (AccumulateGrad itself) and free the graph.
 Anything this path does not handle runs in eager autograd instead, counted in
@@ -165,7 +165,7 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
         return _fall_back(cfg, reason, eager)
     if fam is None and not create_graph:
         watch = learned.opaque_outputs_to_learn(cfg, key, collected)
-        if watch:  # NOTE [Layouts of call outputs] (replay/calls.py)
+        if watch:  # NOTE [Layouts of call outputs] (calls/kernel.py)
             collected = None
             capture.clear()
             pause.resume()
@@ -221,7 +221,7 @@ class _OneBackward:
         self.missed = self.entry is None
         self.released = False  # the saved tensors were handed to the graph (a boxed hit)
         self.recorded = False  # the results are a live record's: the entry's function did not run
-        self.observed: dict = {}  # NOTE [Layouts of call outputs] (replay/calls.py)
+        self.observed: dict = {}  # NOTE [Layouts of call outputs] (calls/kernel.py)
 
     def miss(self, pause):
         """Capture (or load) and compile, run once, cache."""

@@ -1,6 +1,6 @@
 """The checks a call makes around what it runs, and the errors it raises: eager's own where
 eager has one (a saved tensor changed in place), else one naming what the compiled graph
-cannot follow (NOTE [Opaque calls] in replay/calls.py). The native helper raises through
+cannot follow (NOTE [Opaque calls] in calls/__init__.py). The native helper raises through
 these same functions (NOTE [Calls in the helper])."""
 
 from __future__ import annotations

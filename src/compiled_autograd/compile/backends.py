@@ -66,7 +66,7 @@ def compile_graph(
 
 def may_steal(backend: BackendLike) -> bool:
     """Whether the code `backend` compiles leaves a grad handed to AccumulateGrad alone
-    (NOTE [Stealing a fresh grad] in replay/calls.py). A user's backend is unknown."""
+    (NOTE [Stealing a fresh grad] in nodes/accumulate.py). A user's backend is unknown."""
     return isinstance(backend, str) and BACKENDS[backend].steals
 
 

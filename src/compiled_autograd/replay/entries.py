@@ -71,7 +71,7 @@ class CompiledBackward:
     # reads (NOTE [create_graph] in capture/create_graph.py)
     vjp: Any = None  # create_graph.Vjp
     # in-graph AccumulateGrad may steal a fresh grad from this backend's code (NOTE
-    # [Stealing a fresh grad] in replay/calls.py)
+    # [Stealing a fresh grad] in nodes/accumulate.py)
     steals: bool = False
     # NOTE [A compiled graph's outputs are checked on its first run] (replay/validate.py): what the
     # traced graph returns (validate.Expected, or None: not checked), and whether this
@@ -81,7 +81,7 @@ class CompiledBackward:
     checked: bool = field(default=False, init=False, compare=False, repr=False)
 
     def __call__(self, args: list):
-        """Run the graph. A boxed callable (backends.BOXED) takes the list
+        """Run the graph. A boxed callable (values.BOXED) takes the list
         itself and empties it, so each input can be freed at its last use."""
         if getattr(self.fn, BOXED, False):
             return self.fn(args)

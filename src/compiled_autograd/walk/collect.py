@@ -113,7 +113,7 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
             learned = LearnKey(native_key, i, hook_code(hook), packed_meta(packed))
         if meta is not None and meta[3] is None:
             # a checkpoint's recomputed tensor: its layout is learned (NOTE [Layouts of call
-            # outputs], replay/calls.py), from an eager backward when no backward showed it yet
+            # outputs], calls/kernel.py), from an eager backward when no backward showed it yet
             order = LEARNED.unpacks.order(learned)
             if order is None and not LEARNED.unpacks.is_unpredictable(learned):
                 learn[i] = learned
