@@ -42,6 +42,8 @@ def install() -> None:
     """Register `compiled_autograd::call` with torch, once: its kernels, its fake, its ORDERED
     effect, and the direct call inductor's code uses."""
     global _installed, _library
+    if _installed:  # (every enable() scope asks: no lock once done)
+        return
     with _lock:
         if _installed:
             return

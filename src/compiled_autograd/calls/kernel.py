@@ -20,7 +20,7 @@ always dense (a permutation of a contiguous tensor: a copy into it is exact):
   * an opaque node's: contiguous.
 At replay, an output in another layout is copied into the traced one
 (`stats().layout_copies`), and the dense layout it had is remembered for its
-graph and call (cache/learned.py LAYOUTS): that graph is dropped and the next
+graph and call (nodes/learned.py LEARNED.layouts): that graph is dropped and the next
 backward captures again in those layouts, after which it is bitwise eager's again
 (a few times per graph at most: a hook whose layout changes every step keeps its
 graph and its copies). On a graph's first run the copy is not made: the run stops

@@ -44,7 +44,7 @@ rule only: the unpacked tensor has the shape of the one tensor in the packed
 value that had its shape (offloading and compression keep the shape), with the
 dtype and device it had. A rule seen to hold at two different sizes of the same
 graph, position, hook and packed structure (ranks, dtypes, devices) predicts the
-tensor at any other sizes (`_Learned.by_rule`; sizes or packed shapes, as an
+tensor at any other sizes (nodes/learned.py `UnpackMetas.by_rule`; sizes or packed shapes, as an
 index_fill's index length is not a size of the graph); it is checked at replay
 as any prediction is, and dropped for good when it fails.
 """

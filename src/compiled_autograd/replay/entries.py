@@ -1,4 +1,5 @@
-"""Cache: graph key -> compiled backwards of that structure.
+"""The in-memory cache: graph key -> compiled backwards of that structure (what a hit runs;
+runtime.py looks up and adds, a background compile swaps an entry for its compiled version).
 
 A backward is identified by `(key, sizes)` (walk/collect.py). All compiled graphs
 with the same key form a `Family`:
