@@ -158,10 +158,15 @@ class _Inputs:
         self.of: dict = {}
         self.position = 0
 
-    def placeholder(self, n) -> None:
-        if isinstance(n.meta.get("val"), torch.Tensor):
-            self.of[n] = (n, self.position)
-        self.position += 1
+    def walk(self, graph: torch.fx.Graph):
+        """The graph's op nodes in order, noting its tensor inputs on the way."""
+        for n in graph.nodes:
+            if n.op == "placeholder":
+                if isinstance(n.meta.get("val"), torch.Tensor):
+                    self.of[n] = (n, self.position)
+                self.position += 1
+            elif n.op == "call_function":
+                yield n
 
     def reads(self, n) -> list:
         """(placeholder, position) of each graph input `n` reads."""
@@ -198,12 +203,7 @@ def order_reads_before_calls(gm: torch.fx.GraphModule, slots: list, arriving: fr
     whose data arrives during the backward before any hook falls back (NOTE [Tensors whose
     data arrives during the backward]). Whether the graph changed."""
     inputs, pending, hook_call, changed = _Inputs(), [], None, False
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            inputs.placeholder(n)
-            continue
-        if n.op != "call_function":
-            continue
+    for n in inputs.walk(gm.graph):
         if _is_call(n):
             args = list(n.args[1])
             direct = {a for a in args if isinstance(a, torch.fx.Node)}
@@ -236,12 +236,7 @@ def watch_saved_reads(gm: torch.fx.GraphModule, slots: list, checked: frozenset 
     its `n_watch` arguments, which it checks (NOTE [Hooks may change what the graph reads]);
     Plan.watch."""
     inputs, calls, last_call = _Inputs(), [], {}  # checked placeholder -> the last call before its last read
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            inputs.placeholder(n)
-            continue
-        if n.op != "call_function":
-            continue
+    for n in inputs.walk(gm.graph):
         if _is_call(n):
             calls.append(n)
             continue
@@ -289,12 +284,7 @@ def pass_inputs_through_hooks(gm: torch.fx.GraphModule, slots: list, passable: f
             mine[a] = g
         return mine[a]
 
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            inputs.placeholder(n)
-            continue
-        if n.op != "call_function":
-            continue
+    for n in inputs.walk(gm.graph):
         if _is_call(n):
             if not SLOT_KINDS[slots[n.args[0]].kind].ordering_args:
                 hook_call = n
