@@ -365,7 +365,7 @@ def markdown(data: dict) -> str:
     lines += [
         "## Files",
         "",
-        "- `results.json`: every row with all measurements (per-iteration times, counters, floor ops, "
+        "- `results.json` (in the benchmark's output folder, not kept in git): every row with all measurements (per-iteration times, counters, floor ops, "
         "the worker command of each row)",
         "- `steady_state.png`: steady-state backward time relative to eager (same process), per workload and mode",
         "",

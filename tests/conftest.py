@@ -2,6 +2,7 @@ import os
 import warnings
 
 os.environ.setdefault("COMPILED_AUTOGRAD_DISK_CACHE", "0")  # tests count captures; test_diskcache opts in
+os.environ.setdefault("COMPILED_AUTOGRAD_LINT", "1")  # every captured graph is linted (capture/lint.py)
 
 import pytest
 import torch

@@ -226,7 +226,7 @@ def observe(build, backend="eager", steps=2, captures=1, n_opaque=0, hits=None, 
 
 
 def slot_kinds() -> list:
-    """The kinds of the calls in every cached graph's plan (replay/calls.py)."""
+    """The kinds of the calls in every cached graph's plan (nodes/__init__.py SLOT_KINDS)."""
     return [s.kind for e in ca.graphs() for s in e.plan.slots]
 
 

@@ -184,7 +184,7 @@ def test_a_boolean_mask_index_in_a_grad_formula_compiles(backend):
 def test_a_mutated_buffer_read_after_a_loop_recompute_under_inductor():
     # found by the fuzzer (inductor, seed 20): topk's backward scatters into a copy of zeros,
     # and the add that reads the result was ordered before the scatter once the C++ backend
-    # had recomputed its loops (NOTE [Mutation renames after a loop recompute], compile/torch_patches.py)
+    # had recomputed its loops (NOTE [Mutation renames after a loop recompute], compile/inductor_patches.py)
     g = torch.Generator().manual_seed(0)
     W = torch.randn(6, 6, generator=g, requires_grad=True)
     c = torch.randn(6, generator=g, requires_grad=True)

@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 
 import compiled_autograd as ca
-from compiled_autograd.replay import calls as replay_calls
+from compiled_autograd.nodes.accumulate import ACCUMULATE, HOOKED_ACCUMULATE
+from compiled_autograd.nodes.hooks import TENSOR_PRE_HOOKS
 from helpers import EXACT_BACKENDS, INDUCTOR, assert_grads_equal, leaf, observe, slot_kinds
 
 
@@ -93,8 +94,8 @@ def test_a_leafs_tensor_hooks_and_its_accumulation_are_one_call(backend):
 
     observe(build, backend=backend, background=False)
     kinds = slot_kinds()
-    assert kinds.count(replay_calls.HOOKED_ACCUMULATE) == 4, kinds
-    assert replay_calls.TENSOR_PRE_HOOKS not in kinds and replay_calls.ACCUMULATE not in kinds, kinds
+    assert kinds.count(HOOKED_ACCUMULATE) == 4, kinds
+    assert TENSOR_PRE_HOOKS not in kinds and ACCUMULATE not in kinds, kinds
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
@@ -136,7 +137,7 @@ def test_a_leaf_hooks_grad_is_stolen_or_copied_as_eager(backend):
         assert_grads_equal(got, want, what=f"step {step}", exact=backend in EXACT_BACKENDS)
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
-    assert slot_kinds().count(replay_calls.HOOKED_ACCUMULATE) == 3
+    assert slot_kinds().count(HOOKED_ACCUMULATE) == 3
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
@@ -156,4 +157,4 @@ def test_post_hooks_on_a_leafs_accumulate_grad_see_what_its_tensor_hooks_returne
         return h.pow(2).sum(), [w, v]
 
     observe(build, backend=backend)
-    assert slot_kinds().count(replay_calls.HOOKED_ACCUMULATE) == 1  # v's; w's hooks stay apart
+    assert slot_kinds().count(HOOKED_ACCUMULATE) == 1  # v's; w's hooks stay apart

@@ -9,7 +9,10 @@ import torch
 import torch.nn as nn
 
 import compiled_autograd as ca
-from compiled_autograd.replay import calls as replay_calls
+from compiled_autograd.calls import kernel
+from compiled_autograd.nodes.accumulate import ACCUMULATE, HOOKED_ACCUMULATE
+from compiled_autograd.nodes.hooks import TENSOR_PRE_HOOKS
+from compiled_autograd.nodes.opaque import NODE
 from helpers import EXACT_BACKENDS, INDUCTOR, assert_grads_equal, leaf, observe, run_in_threads, slot_kinds
 
 
@@ -17,18 +20,18 @@ from helpers import EXACT_BACKENDS, INDUCTOR, assert_grads_equal, leaf, observe,
 def _python_calls():
     """The slots of the calls from compiled code that reach Python's _run_call (NOTE [Calls
     in the helper]: only unpack calls and calls off the fast path should)."""
-    native = replay_calls._native()
+    native = kernel.native_calls()
     calls = []
 
     def counting(*args):
         calls.append(args[0])
-        return replay_calls._run_call(*args)
+        return kernel._run_call(*args)
 
-    replay_calls._install_calls(native, counting)
+    kernel.install_native(native, counting)
     try:
         yield calls
     finally:
-        replay_calls._install_calls(native)
+        kernel.install_native(native)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
@@ -76,7 +79,7 @@ def test_leaf_calls_run_in_the_helper_and_check_what_python_checks(backend):
             run(compiled, 2)
     s = ca.stats()
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 2, 0), s
-    assert sorted(slot_kinds()) == [replay_calls.ACCUMULATE] * 2 + [replay_calls.HOOKED_ACCUMULATE]  # b, x2; W
+    assert sorted(slot_kinds()) == [ACCUMULATE] * 2 + [HOOKED_ACCUMULATE]  # b, x2; W
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
@@ -108,13 +111,13 @@ def test_hook_and_node_calls_run_in_the_helper(backend):
         # of call outputs]); then a capture and a hit
         observe(build, backend=backend, background=False, opaque=("MulBackward0",), n_opaque=1, steps=3, learning=1)
     assert python_calls == [], python_calls
-    assert {replay_calls.TENSOR_PRE_HOOKS, replay_calls.NODE} <= set(slot_kinds()), slot_kinds()
+    assert {TENSOR_PRE_HOOKS, NODE} <= set(slot_kinds()), slot_kinds()
     # what `keep` returned and kept: the compiled graph read it and wrote nothing into it
     assert_grads_equal([kept[-1]], [kept[-2]], exact=backend in EXACT_BACKENDS)
 
 
 def test_hooked_backwards_in_two_threads_each_use_their_own_replay():
-    # NOTE [Calls in the helper]: the helper's replay frames are per thread, as ops._replay is:
+    # NOTE [Calls in the helper]: the helper's replay frames are per thread, as kernel._replay is:
     # two threads running compiled backwards with hook calls at once each get their own results
     def make(seed):
         torch.manual_seed(seed)

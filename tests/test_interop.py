@@ -92,8 +92,8 @@ def test_fx_traces_in_two_threads_do_not_corrupt_each_other(monkeypatch):
 
     from compiled_autograd.compile import torch_patches  # (installs the lock)
 
-    lock = _WatchedLock(torch_patches._trace_lock, "b")
-    monkeypatch.setattr(torch_patches, "_trace_lock", lock)
+    lock = _WatchedLock(torch_patches.trace_lock, "b")
+    monkeypatch.setattr(torch_patches, "trace_lock", lock)
     go = {"a": threading.Event(), "b": threading.Event()}
     inside_a = threading.Event()
     errors = []

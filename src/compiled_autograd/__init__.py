@@ -5,8 +5,7 @@
         loss.backward()
 """
 
-from .api import backward, disable, enable, grad, reset, stats
-from .observe.explain import dump, explain, graphs
+from .api import backward, disable, dump, enable, explain, grad, graphs, reset, stats
 from .observe.logs import configure_logging
 from .errors import BackendOutputError, CompiledAutogradError
 from .compile.background import synchronize

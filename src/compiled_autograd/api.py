@@ -1,4 +1,4 @@
-"""The user surface: enable(), backward(), grad(), stats(), reset().
+"""The user surface: enable(), backward(), grad(), stats(), explain(), graphs(), dump(), reset().
 
 NOTE [One interception point]
 `torch.autograd.backward` (hence `Tensor.backward`) and `torch.autograd.grad`
@@ -15,17 +15,21 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import sys
 from typing import Any
 
 import torch
 import torch.autograd
 
+from . import calls
 from . import config as _config
-from .cache.memory import CACHE
+from .replay.entries import CACHE
 from .config import BackendLike, Config
+from .compile import background as _background
 from .compile.background import synchronize
 from .runtime import reset_runtime, run_backward
-from .capture.tracing import is_tracing
+from .nodes.tracing import is_tracing
+from .observe import explain as _explain
 from .observe.stats import LOCK, STATS, Stats, reset_stats
 
 _eager_engine_run_backward = torch.autograd._engine_run_backward
@@ -75,6 +79,7 @@ def _routed_engine_run_backward(
 
 
 def _install() -> None:
+    calls.install()  # compiled_autograd::call, which our graphs call
     if torch.autograd._engine_run_backward is not _routed_engine_run_backward:
         torch.autograd._engine_run_backward = _routed_engine_run_backward
 
@@ -207,6 +212,26 @@ def stats() -> Stats:
     """A snapshot of the counters (captures, hits, eager_fallbacks, opaque_nodes, ...)."""
     with LOCK:
         return STATS.snapshot()
+
+
+def explain(file=sys.stdout) -> _explain.Report:
+    """Print a readable report -- counters, one line per capture with its reason, why
+    backwards ran in eager and nodes ran opaquely -- to `file` (None: print nothing), and
+    return its text."""
+    return _explain.explain(CACHE.entries(), file, _background.report())
+
+
+def graphs() -> list:
+    """The cached compiled backwards (each has `.graph`, an FX GraphModule)."""
+    return CACHE.entries()
+
+
+def dump(path) -> list[str]:
+    """Write every cached graph to `path`: the captured FX graph as readable Python with shapes
+    (graph_<i>.py), how it was captured (graph_<i>.txt), and a picture of the backward graph
+    (graph_<i>.svg, plus .dot) with node kinds, opaque nodes and hooks marked. Returns the
+    files written."""
+    return _explain.dump(CACHE.entries(), path)
 
 
 def reset() -> None:

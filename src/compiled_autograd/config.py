@@ -1,7 +1,9 @@
-"""The few options compiled_autograd has, and the scope they apply to.
+"""The few options compiled_autograd has, the scope they apply to, and the environment.
 
 Options are set with `ca.enable(...)` (a context manager) and read through
-`current()`, a context variable, so they nest and are per thread/task.
+`current()`, a context variable, so they nest and are per thread/task. Every
+environment variable the library reads is named here (`ENVIRONMENT`), each read
+when it is used: a user (or a test) may set it between backwards.
 """
 
 from __future__ import annotations
@@ -10,15 +12,73 @@ import contextvars
 import functools
 import os
 from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
 
 from .values import BackendLike
 
 
-def _backends() -> dict:
-    """The backend registry (compile/backends.py: name -> Backend), the one list of names."""
-    from .compile.backends import BACKENDS
+class EnvVar(NamedTuple):
+    """One environment variable: its name, its value when unset, what it does."""
 
-    return BACKENDS
+    name: str
+    default: str
+    help: str
+
+    def read(self) -> str:
+        """Its value now (the default where it is unset)."""
+        return os.environ.get(self.name, self.default)
+
+    def on(self) -> bool:
+        """A switch: anything but "0" is on."""
+        return self.read() != "0"
+
+
+DISK_CACHE = EnvVar("COMPILED_AUTOGRAD_DISK_CACHE", "1", "0: the disk cache is off unless enable(disk_cache=True)")
+GRAPH_DIR = EnvVar("COMPILED_AUTOGRAD_GRAPH_DIR", "", "the disk cache's directory (default: <cache dir>/graphs)")
+GRAPH_DIR_MAX_BYTES = EnvVar("COMPILED_AUTOGRAD_GRAPH_DIR_MAX_BYTES", "", "the disk cache's budget in bytes (default 1 GiB)")
+CACHE_DIR = EnvVar("COMPILED_AUTOGRAD_CACHE_DIR", "", "where the native helper is built and cached (default: $XDG_CACHE_HOME/compiled_autograd)")
+XDG_CACHE_HOME = EnvVar("XDG_CACHE_HOME", "", "the user's cache directory (default: ~/.cache)")
+LOG = EnvVar("COMPILED_AUTOGRAD_LOG", "", "info or debug: the compiled_autograd logger prints to stderr")
+RECORD = EnvVar("COMPILED_AUTOGRAD_RECORD", "1", "0: every capture is traced with make_fx (NOTE [Recording a static trace])")
+RECORD_LIVE = EnvVar("COMPILED_AUTOGRAD_RECORD_LIVE", "1", "0: no capture is recorded on the real tensors (NOTE [Recording on the real tensors])")
+LINT = EnvVar("COMPILED_AUTOGRAD_LINT", "0", "1: every captured graph is linted after its passes (slower; the tests set it)")
+UNTESTED_TORCH = EnvVar("COMPILED_AUTOGRAD_UNTESTED_TORCH", "", "1: compile on a torch release the library was not written for")
+COMPILE_NICE = EnvVar("COMPILED_AUTOGRAD_COMPILE_NICE", "5", "how much lower a background compile thread's CPU priority is than training's")
+EXIT_WAIT = EnvVar("COMPILED_AUTOGRAD_EXIT_WAIT", "", "seconds the exit waits for background compiles (default 10; inf: to the end)")
+COMPILE_PROCESS = EnvVar("COMPILED_AUTOGRAD_COMPILE_PROCESS", "1", "0: a background inductor compile runs in a thread only, no child process")
+CHILD_NICE = EnvVar("COMPILED_AUTOGRAD_CHILD_NICE", "idle", "the child compile's priority: idle (SCHED_IDLE) or a niceness "
+                    "(the child reads it itself, before it imports anything)")
+COMPILE_AFTER = EnvVar("COMPILED_AUTOGRAD_COMPILE_AFTER", "20", "seconds of training after which a starved compile gets "
+                       "COMPILE_SHARE of the time (NOTE [The compile's share of a busy machine])")
+COMPILE_SHARE = EnvVar("COMPILED_AUTOGRAD_COMPILE_SHARE", "0.5", "the share of the time a starved compile gets after COMPILE_AFTER")
+FINISH_AFTER_EXIT = EnvVar("COMPILED_AUTOGRAD_FINISH_AFTER_EXIT", "300", "seconds a child compile still running at exit "
+                           "may go on after it (0: stopped at exit; NOTE [A compile finished after exit])")
+ENVIRONMENT = (DISK_CACHE, GRAPH_DIR, GRAPH_DIR_MAX_BYTES, CACHE_DIR, XDG_CACHE_HOME, LOG, RECORD, RECORD_LIVE, LINT, UNTESTED_TORCH,
+               COMPILE_NICE, EXIT_WAIT, COMPILE_PROCESS, CHILD_NICE, COMPILE_AFTER, COMPILE_SHARE, FINISH_AFTER_EXIT)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A named backend: how it compiles a captured graph, and what the rest of the library
+    may assume about the code it makes."""
+
+    name: str
+    compile: Callable  # (gm, example_inputs, dynamic, patches) -> a callable taking the graph inputs
+    # its code leaves a grad handed to AccumulateGrad alone: AccumulateGrad may take the graph's
+    # buffer as `.grad` (NOTE [Stealing a fresh grad] in nodes/accumulate.py)
+    steals: bool
+    background: bool  # compiled in a background thread unless enable(background=...) says otherwise
+    eager_kernels: bool  # runs eager's kernels in eager's order: results bitwise eager's
+
+
+# the backend registry, name -> Backend: the one list of names an option may give (the
+# built-in ones are registered by compile/backends.py, which the package imports)
+BACKENDS: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+    BACKENDS[backend.name] = backend
+    return backend
 
 
 @dataclass(frozen=True)
@@ -55,15 +115,15 @@ class Config:
     opaque: tuple = ()
     dynamic: bool | None = None
     background: bool | None = None
-    disk_cache: bool = field(default_factory=lambda: os.environ.get("COMPILED_AUTOGRAD_DISK_CACHE", "1") != "0")
+    disk_cache: bool = field(default_factory=DISK_CACHE.on)
     mode: str | None = None
     options: tuple = ()  # sorted (name, value) pairs; a dict is accepted
 
     def __post_init__(self):
-        if isinstance(self.backend, str) and self.backend not in _backends():
+        if isinstance(self.backend, str) and self.backend not in BACKENDS:
             raise ValueError(
                 f"compiled_autograd: unknown backend {self.backend!r}; "
-                f"expected one of {', '.join(_backends())} or a callable (gm, example_inputs) -> callable"
+                f"expected one of {', '.join(BACKENDS)} or a callable (gm, example_inputs) -> callable"
             )
         if not isinstance(self.backend, str) and not callable(self.backend):
             raise TypeError(f"compiled_autograd: backend must be a str or callable, got {type(self.backend)}")
@@ -118,7 +178,7 @@ class Config:
     @property
     def background_compile(self) -> bool:
         if self.background is None:
-            return isinstance(self.backend, str) and _backends()[self.backend].background
+            return isinstance(self.backend, str) and BACKENDS[self.backend].background
         return bool(self.background) and self.backend != "eager"
 
     @property

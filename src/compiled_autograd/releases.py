@@ -5,16 +5,17 @@ Imports nothing of ours, so the helper's loader and the patches both read it."""
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
+
+from .config import UNTESTED_TORCH
 
 Release = Tuple[int, int]  # (major, minor)
 # (first, last) releases, both included; None: open on that side
 Range = Tuple[Optional[Release], Optional[Release]]
 
-UNTESTED_ENV = "COMPILED_AUTOGRAD_UNTESTED_TORCH"
+UNTESTED_ENV = UNTESTED_TORCH.name
 
 # NOTE [Torch versions] (native/__init__.py): each piece of code that reads torch's internals,
 # and the releases it was written for and checked on (tools/check_release.py runs the suite
@@ -26,7 +27,7 @@ WRITTEN_FOR: dict[str, Range] = {
     "native helper": ((2, 13), (2, 15)),
     # NOTE [One fx trace at a time] (the flag became thread-local in 2.14; the lock stays)
     "fx traces": ((2, 13), (2, 15)),
-    # NOTE [Engine queries from hooks] (replay/calls.py)
+    # NOTE [Engine queries from hooks] (calls/kernel.py)
     "engine queries": ((2, 13), (2, 15)),
     # NOTE [One compile at a time]
     "dynamo compiles": ((2, 13), (2, 15)),
@@ -80,7 +81,7 @@ def describe(span: Range) -> str:
 
 
 def untested_allowed() -> bool:
-    return os.environ.get(UNTESTED_ENV) == "1"
+    return UNTESTED_TORCH.read() == "1"
 
 
 def written_for(what: str, version: str = torch.__version__) -> bool:

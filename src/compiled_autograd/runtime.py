@@ -3,7 +3,7 @@
 The lifecycle of a backward, named as the code names it:
   collect  the native walker visits the graph in engine order and builds the key
   capture  on a miss: trace the whole backward into one FX graph (capture/trace.py)
-  compile  hand that graph to the backend (compile/backends.py), store it (cache/memory.py)
+  compile  hand that graph to the backend (compile/backends.py), store it (replay/entries.py)
   replay   run the compiled graph on the lifted tensors, then apply its outputs
            with eager semantics (AccumulateGrad itself) and free the graph.
 Anything this path does not handle runs in eager autograd instead, counted in
@@ -21,7 +21,7 @@ from . import native
 from .cache import disk as diskcache
 from .cache import learned
 from .cache.dynamic import plan_capture
-from .cache.memory import CACHE
+from .replay.entries import CACHE
 from .compile import background, child, share
 from .config import Config
 from .errors import BackendOutputError, CompiledAutogradError, Fallback, LearnLayouts
@@ -30,7 +30,8 @@ from .observe.stats import LOCK, STATS
 from .replay.run import GCPause, apply, check_outputs, run_graph
 from .values import BOXED, CacheKey
 from .errors import Unkeyable
-from .nodes.function import CHURN, CHURN_LIMIT
+from .nodes.function import CHURN_LIMIT, note_capture
+from .nodes.learned import LEARNED
 from .nodes.saved_tensors import Learn
 from .walk.collect import collect
 from .walk.precheck import global_state, precheck
@@ -43,21 +44,33 @@ UNUSED_INPUT_ERROR = (
 )
 
 
-_warned: set[str] = set()
-_unsupported: dict[tuple, str] = {}  # key -> why its capture fell back (not traced again)
-_failures: Counter = Counter()  # key -> captures (trace, compile or first run) that raised
 MAX_CAPTURE_FAILURES = 2  # then that key runs eagerly without tracing it again
 
 
-def _mark_unsupported(key, reason: str) -> None:
-    if len(_unsupported) < 1024:
-        _unsupported[key] = reason
+class _Refusals:
+    """What earlier backwards decided against: the keys whose capture falls back, the captures
+    that raised, the fallback reasons already warned about."""
+
+    def __init__(self):
+        self.unsupported: dict[tuple, str] = {}  # key -> why its capture fell back (not traced again)
+        self.failures: Counter = Counter()  # key -> captures (trace, compile or first run) that raised
+        self.warned: set[str] = set()
+
+    def mark_unsupported(self, key, reason: str) -> None:
+        if len(self.unsupported) < 1024:
+            self.unsupported[key] = reason
+
+    def clear(self) -> None:
+        self.unsupported.clear()
+        self.failures.clear()
+        self.warned.clear()
+
+
+REFUSALS = _Refusals()
 
 
 def reset_runtime() -> None:
-    _warned.clear()
-    _unsupported.clear()
-    _failures.clear()
+    REFUSALS.clear()
     captures.reset()
     learned.reset()
     background.reset()
@@ -73,8 +86,8 @@ def _fall_back(cfg: Config, reason: str, eager: Callable[[], Any], user_error: b
     with LOCK:
         STATS.eager_fallbacks += 1
         reasons.count(STATS.fallback_reasons, STATS.fallback_details, reason, reasons.FALLBACKS)
-    if reason not in _warned:
-        _warned.add(reason)
+    if reason not in REFUSALS.warned:
+        REFUSALS.warned.add(reason)
         warnings.warn(f"compiled_autograd: running a backward in eager autograd: {reason}", stacklevel=4)
     log.info("eager fallback: %s", reason)
     return result
@@ -138,7 +151,7 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
         return learned.learn_in_eager(collected, eager)
 
     key = CacheKey(cfg.backend_key, global_state(), cfg.opaque, create_graph, collected.key)
-    reason = _unsupported.get(key) if _unsupported else None
+    reason = REFUSALS.unsupported.get(key) if REFUSALS.unsupported else None
     fam = CACHE.family(key)
     if create_graph and reason is None and fam is None:
         # (hooks, opaque nodes and saved-tensor hooks are in the key: checked once per key)
@@ -146,7 +159,7 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
 
         reason = create_graph_unsupported(collected)
         if reason is not None:
-            _mark_unsupported(key, reason)
+            REFUSALS.mark_unsupported(key, reason)
     if reason is not None:
         collected = None  # (eager frees the saved tensors as it goes: nothing of ours may hold them)
         capture.clear()
@@ -154,7 +167,7 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
         return _fall_back(cfg, reason, eager)
     if fam is None and not create_graph:
         watch = learned.opaque_outputs_to_learn(cfg, key, collected)
-        if watch:  # NOTE [Layouts of call outputs] (replay/calls.py)
+        if watch:  # NOTE [Layouts of call outputs] (calls/kernel.py)
             collected = None
             capture.clear()
             pause.resume()
@@ -210,7 +223,7 @@ class _OneBackward:
         self.missed = self.entry is None
         self.released = False  # the saved tensors were handed to the graph (a boxed hit)
         self.recorded = False  # the results are a live record's: the entry's function did not run
-        self.observed: dict = {}  # NOTE [Layouts of call outputs] (replay/calls.py)
+        self.observed: dict = {}  # NOTE [Layouts of call outputs] (calls/kernel.py)
 
     def miss(self, pause):
         """Capture (or load) and compile, run once, cache."""
@@ -219,7 +232,7 @@ class _OneBackward:
         cfg, key, fam, collected = self.cfg, self.key, self.fam, self.collected
         pause.resume()  # tracing and compiling make garbage cycles
         mask, reason = plan_capture(cfg, fam, collected)
-        reason = learned.layout_reasons.pop(key, reason)
+        reason = learned.next_reason(key, reason)
         if self.create_graph:
             mask, reason = None, reason + (" (create_graph=True: static shapes)" if mask else " (create_graph=True)")
         pkey = diskcache.portable_key(key, collected.sizes) if cfg.disk_cache and mask is None and not self.create_graph else None
@@ -230,10 +243,10 @@ class _OneBackward:
             warm = fingerprint is not None and diskcache.known_compiled(pkey, fingerprint) and child.caches_present()
             entry, first = entry_from_disk(cfg, collected, key, record, reason, warm), None  # (a disk hit computes nothing)
             if not warm and fingerprint is not None:
-                background.mark_when_compiled(entry, pkey, fingerprint)
+                background.mark_when_compiled(entry, diskcache.compiled_marker(pkey, fingerprint))
             pkey = None  # already stored
         else:
-            layouts = learned.layouts_of(key)
+            layouts = LEARNED.layouts.of(key)
             try:
                 history = tuple(e.sizes for e in fam.entries()) if fam is not None else ()
                 got = capture_and_compile(cfg, collected, key, mask, reason, history, self.create_graph, layouts)
@@ -274,14 +287,14 @@ class _OneBackward:
             CACHE.family(key, create=True).add(entry)  # only graphs that ran
         CACHE.evict(cfg.cache_size_limit)
         if record is None and collected.pynodes:
-            for name in CHURN.note_capture(collected):
+            for name in note_capture(collected):
                 warnings.warn(f"compiled_autograd: {name}'s ctx values (or the Python state its backward reads) "
                               f"changed in more than {CHURN_LIMIT} captures; it now runs as is, opaquely, instead of "
                               "a new capture per value (NOTE [Functions whose values change every step])", stacklevel=6)
         if pkey is not None and entry.dynamic is None:
             diskcache.store(pkey, entry)
             if fingerprint is not None:  # NOTE [A graph known compiled] (cache/disk.py)
-                background.mark_when_compiled(entry, pkey, fingerprint)
+                background.mark_when_compiled(entry, diskcache.compiled_marker(pkey, fingerprint))
         background.start_compile_of(entry)  # NOTE [Background compile]
         return results
 
@@ -343,7 +356,7 @@ class _OneBackward:
         capture.clear()
         pause.resume()
         if isinstance(e, Fallback):
-            _mark_unsupported(key, e.reason)
+            REFUSALS.mark_unsupported(key, e.reason)
             return _fall_back(cfg, e.reason, eager)
         if cfg.fullgraph:
             raise e
@@ -352,9 +365,9 @@ class _OneBackward:
         if self.missed and not STATS.compiles_pending:
             # (not while a background compile runs: torch.fx's tracer keeps its patching
             # state in a process global, and two traces at once can fail one of them)
-            _failures[key] += 1
-            if _failures[key] >= MAX_CAPTURE_FAILURES:
-                _mark_unsupported(key, reason)
+            REFUSALS.failures[key] += 1
+            if REFUSALS.failures[key] >= MAX_CAPTURE_FAILURES:
+                REFUSALS.mark_unsupported(key, reason)
         return _fall_back(cfg, reason, eager)
 
     def finish(self, results, accumulate_grad, allow_unused):

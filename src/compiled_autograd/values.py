@@ -1,7 +1,8 @@
 """What the stages hand each other, each defined once and read by name:
-the walk's node rows; the call protocol between a captured graph and its
-replay (`compiled_autograd::call`'s arguments, output layouts, slot kinds,
-flags); the plan a capture hands the replay; how a compiled graph is called.
+the walk's node rows and what it collected (`Collected`); the keys; how a call's
+outputs are laid out (`OutputMeta`) and what a kind of call is (`SlotKind`); the plan
+a capture hands the replay; how a compiled graph is called. (The call's own encoding
+is calls/protocol.py's.)
 
 The native helper builds some of them as plain tuples in the field order given
 here (its `GraphCapture.nodes()` makes NodeRows' tuples); nothing reads them by
@@ -12,8 +13,8 @@ from __future__ import annotations
 
 import enum
 import functools
-from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import torch
 
@@ -28,6 +29,22 @@ class NodeKind(enum.IntEnum):
     ACCUMULATE = 1  # AccumulateGrad
     PYNODE = 2  # a custom autograd.Function: its Python backward is traced
     OPAQUE = 3  # runs as is inside the graph (a C++ custom Function, ...)
+
+
+class NodeFamily(NamedTuple):
+    """One family of nodes, as its module under nodes/ defines it (nodes/__init__.py FAMILIES,
+    by the walk's NodeKind): the trace, the passes, the learning backwards and explain read it."""
+
+    name: str  # as explain() and dump() name its nodes
+    kind: NodeKind
+    # (tracer, node index, grads, graph args) -> the node's outputs; None: the tracer's loop
+    # applies it itself (AccumulateGrad)
+    trace: Callable | None
+    color: str = "#ffffff"  # its nodes in dump()'s picture
+    leaf: bool = False  # applies a leaf's grad (AccumulateGrad): the tensor hooks on it are the leaf's
+    opaque_by_name: bool = True  # enable(opaque=...) may name it
+    hooks_read_saved: bool = True  # a hook on it may read saved tensors (NOTE [Saved tensors freed as eager frees them])
+    live: bool = False  # a live record may take it (NOTE [Recording on the real tensors] in capture/record.py)
 
 
 class Hooks(NamedTuple):
@@ -68,6 +85,94 @@ class NodeRow(NamedTuple):
         )
 
 
+@dataclass
+class Collected:
+    """One backward's graph: `key` (structure, constants, tensor metadata and
+    layouts) and `sizes` (the node SymInts, then each lifted tensor's dims)
+    together identify a static graph; a dynamic graph matches `key`, the
+    sizes it keeps static, and its guards."""
+
+    capture: Any
+    key: tuple
+    sizes: tuple
+    n_size_inputs: int
+    lifted: list
+    n_native: int
+    unpacked: tuple  # per hooked saved tensor: its lifted index (unpacked up front), or -1 when unpacked in the graph
+    pynodes: dict = field(default_factory=dict)
+    hooks: list = field(default_factory=list)  # (unpack_hook, packed, learned key or None) per hooked saved tensor
+    in_graph: tuple = ()  # an InGraph per saved tensor unpacked in the graph
+    grad_on_ctx: bool = False  # a leaf's .grad, accumulated into by this backward, is kept on ctx
+
+    # ints saved by torch.compile'd regions for their inlined backwards, and sizes kept on custom
+    # Functions' ctx (NOTE [Sizes kept on ctx]), in `sizes` before those shapes
+    n_aot: int = 0
+
+    @property
+    def in_graph_start(self) -> int:
+        """Where the shapes of the tensors unpacked in the graph start in `sizes` (they end it)."""
+        return len(self.sizes) - sum(u.dim for u in self.in_graph)
+
+    @property
+    def aot_start(self) -> int:
+        """Where the ints of the inlined AOTAutograd backwards start in `sizes`."""
+        return self.in_graph_start - self.n_aot
+
+    @property
+    def up_front(self) -> list:
+        """The lifted index of every tensor unpacked when the backward started."""
+        return [i for i in self.unpacked if i >= 0]
+
+    @functools.cached_property
+    def tensor_positions(self) -> tuple:
+        """For each lifted tensor, where its geometry sits in `sizes`: (start, dim, strides
+        included); then comes its storage offset."""
+        out, pos = [], self.n_size_inputs
+        for t in self.lifted:
+            with_strides = not isinstance(layout_signature(t), str)
+            out.append((pos, t.dim(), with_strides))
+            pos += t.dim() * (2 if with_strides else 1) + 1
+        return tuple(out)
+
+    @functools.cached_property
+    def arriving(self) -> frozenset:
+        """The lifted indices of tensors whose storage is empty now and gets its data from a
+        hook before their node runs (NOTE [Tensors whose data arrives during the backward])."""
+        return frozenset(i for i, t in enumerate(self.lifted) if _arrives(t))
+
+    @functools.cached_property
+    def nodes(self) -> tuple:
+        """A NodeRow per node, in the engine's order."""
+        return NodeRow.rows(self.capture)
+
+
+def _arrives(t) -> bool:
+    """A tensor with elements whose storage holds none (the native helper keys it as such)."""
+    return isinstance(t, torch.Tensor) and t.numel() > 0 and not t._is_zerotensor() and t.untyped_storage().nbytes() == 0
+
+
+class InGraph(NamedTuple):
+    """A saved tensor unpacked inside the graph, at its node (NOTE [Unpacking in the graph])."""
+
+    hid: int  # its position among the saved tensors with hooks
+    dtype: torch.dtype
+    device: torch.device
+    dim: int  # its shape is in the sizes vector (Collected.in_graph_start on)
+    order: tuple  # its dims from outermost to innermost in memory (OutputMeta.dense)
+
+
+def layout_signature(t: torch.Tensor):
+    """What a tensor's strides are, as far as the key is concerned: 'C' or
+    channels-last when they follow from its sizes, else the strides."""
+    if t.is_contiguous():
+        return "C"
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        return "L"
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
+        return "M"
+    return t.stride()
+
+
 class GraphKey(NamedTuple):
     """What a backward's graph is, for the cache (walk/collect.py): with its sizes, a static
     graph; a dynamic graph matches the key, the sizes it keeps static, and its guards."""
@@ -98,85 +203,6 @@ class NodeSummary(NamedTuple):
     hooks: Hooks
     opaque_reason: str | None  # why it ran opaquely in this graph, or None
     edges: tuple
-
-
-# -- the call protocol (NOTE [Opaque calls], replay/calls.py) --------------------
-
-# dtype <-> small int, for the operator schema
-_DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-    torch.float8_e4m3fn, torch.float8_e5m2, torch.complex32,
-]
-_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
-_DEVICE_TYPES = ["cpu", "cuda", "mps", "xpu", "meta", "hpu", "privateuseone"]
-
-
-def device_code(device) -> int:
-    d = torch.device(device)
-    return _DEVICE_TYPES.index(d.type) * 1024 + (0 if d.index is None else d.index + 1)
-
-
-@functools.lru_cache(maxsize=None)
-def _device(code: int) -> torch.device:
-    kind, index = divmod(code, 1024)
-    return torch.device(_DEVICE_TYPES[kind]) if index == 0 else torch.device(_DEVICE_TYPES[kind], index - 1)
-
-
-
-class CallArgs(NamedTuple):
-    """The arguments of one `compiled_autograd::call` (NOTE [Opaque calls]), by name.
-
-    args:  the tensors the call runs on; then, in this order, what the trace appended:
-           with `Slot.in_flags`, which of them are defined (a bool tensor); `Slot.n_after`
-           values only there to order the call; `Slot.n_watch` saved tensors it checks;
-           `flags >> PASSES_SHIFT` graph inputs it returns as its last outputs
-    meta:  its outputs as traced (`encode_meta` of OutputMetas)
-    flags: the bits below"""
-
-    slot: int
-    args: list
-    meta: list
-    flags: int
-
-    @staticmethod
-    def of(node) -> "CallArgs":
-        return CallArgs(*node.args)
-
-    @property
-    def n_outputs(self) -> int:
-        return len(decode_meta(self.meta))
-
-
-# the bits of a call's `flags` argument (they are in the graph's code, so a change of what
-# our inductor lowering does with a bit is a new bit: no compiled artifact from before matches)
-DEFINEDNESS = 1  # the call also returns which of its outputs are defined
-KEEPS_INPUTS = 2  # an output may be one of its unshared inputs: their buffers are never reused
-# set on every call: our inductor lowering frees the buffers it keeps from reuse at their last
-# use (NOTE [Freed, never reused], compile/inductor.py); code compiled before that had no such bit
-FREED_NOT_REUSED = 16
-# set on every call: inductor's code calls it directly, not through the dispatcher
-# (backends._register_inductor_lowering); code compiled before calls the op
-DIRECT = 32
-# an ACCUMULATE call whose grad AccumulateGrad may take as `.grad` (NOTE [Stealing a fresh
-# grad]): inductor's lowering keeps its buffer from reuse (compile/backends.py)
-HANDS_OVER = 64
-# flags >> PASSES_SHIFT: how many of its last arguments the call also returns, as its last
-# outputs (graph inputs read after it: NOTE [Hooks may change what the graph reads], capture/passes.py)
-PASSES_SHIFT = 8
-
-# slot kinds
-TENSOR_PRE_HOOKS = "tensor_pre_hooks"
-PRE_HOOKS = "pre_hooks"
-POST_HOOKS = "post_hooks"
-NODE = "node"
-ACCUMULATE = "accumulate"
-UNPACK = "unpack"  # a saved tensor's unpack hook (walk/collect.py, NOTE [Unpacking in the graph])
-# a leaf's tensor hooks and its AccumulateGrad (NOTE [A leaf's hooks and its accumulation in one call])
-HOOKED_ACCUMULATE = "tensor_hooks_and_accumulate"
-ACCUMULATES = (ACCUMULATE, HOOKED_ACCUMULATE)  # the calls that hand a grad to AccumulateGrad
-# where in its node's steps a call runs (GraphCapture.hooks_added)
-_STAGE = {TENSOR_PRE_HOOKS: 0, PRE_HOOKS: 1, NODE: 2, POST_HOOKS: 2, ACCUMULATE: 2, HOOKED_ACCUMULATE: 0}
 
 
 class OutputMeta(NamedTuple):
@@ -257,55 +283,16 @@ def dense_order(t: torch.Tensor) -> tuple | None:
     return order if OutputMeta.dense(t.shape, t.dtype, t.device, order).has_layout(t) else None
 
 
-_LAYOUTS = [torch.strided, torch.sparse_coo]
-
-
-def encode_meta(metas: Sequence[OutputMeta]) -> list:
-    """The call's `meta` argument: per output, rank, dtype code, device code, layout code,
-    shape, strides (the one encoding: the native helper's `decode_meta` reads the same)."""
-    out: list = []
-    for m in metas:
-        out += [len(m.shape), _DTYPE_CODE[m.dtype], device_code(m.device), _LAYOUTS.index(m.layout), *m.shape, *m.strides]
-    return out
-
-
-def decode_meta(meta: Sequence) -> list[OutputMeta]:
-    out, pos = [], 0
-    while pos < len(meta):
-        rank, dtype, device, layout = (int(v) for v in meta[pos : pos + 4])
-        pos += 4
-        shape, strides = list(meta[pos : pos + rank]), list(meta[pos + rank : pos + 2 * rank])
-        out.append(OutputMeta(shape, _DTYPES[dtype], _device(device), strides, _LAYOUTS[layout]))
-        pos += 2 * rank
-    return out
-
-
-class ReplayFrame(NamedTuple):
-    """What the calls of one running graph resolve against (replay/calls.py `replaying`; the
-    native helper reads it by values.h's field indices)."""
-
-    capture: object  # the backward's collected graph (the native GraphCapture)
-    slots: tuple  # the plan's Slots
-    outside: object  # the dispatch keys the backward call excluded (calls run with them)
-    hooks: object  # (unpack_hook, packed, learned key) per hooked saved tensor, for UNPACK calls
-    steal: object  # None, or the graph inputs' storages when AccumulateGrad may steal (NOTE [Stealing a fresh grad])
-    keep: bool  # the compiled code never writes into a call's inputs (NOTE [Outputs the graph owns])
-    versions: object  # slot -> saved tensors' versions it checks (NOTE [Hooks may change what the graph reads])
-    ctx: object  # slot -> custom Functions' ctx snapshots checked after it (Plan.ctx_checks)
-    releases: object  # slot -> nodes whose saved variables are freed after it
-    observed: object  # (slot, output) -> layout of an output copied into the traced one
-
-
 # -- the plan of a captured graph --------------------------------------------------
 
 class Slot(NamedTuple):
-    """One opaque call of a graph (NOTE [Opaque calls], replay/calls.py)."""
+    """One opaque call of a graph (NOTE [Opaque calls], calls/__init__.py)."""
 
     kind: str
     node: int  # index of the node (or hooked saved tensor, for UNPACK)
     mask: tuple  # per output: whether the graph was traced with it defined
     in_flags: bool  # its last argument says which arguments are defined
-    # an ACCUMULATE call's grad is memory the graph made (NOTE [Stealing a fresh grad], replay/calls.py)
+    # an ACCUMULATE call's grad is memory the graph made (NOTE [Stealing a fresh grad], nodes/accumulate.py)
     fresh: bool = False
     # how many of its last arguments only order it (NOTE [Hooks may change what the graph reads])
     n_after: int = 0
@@ -317,11 +304,38 @@ class Slot(NamedTuple):
     # the node in whose step the call runs (an UNPACK call's: the node that unpacks)
     at: int = -1
 
-    @property
-    def completes_node(self) -> bool:
-        """Whether eager has applied (and, without retain_graph, released) node `at` when this
-        call runs: its post hooks run after the node (NOTE [A backward that raised part way])."""
-        return self.kind == POST_HOOKS
+
+class CallHow(enum.IntEnum):
+    """What the native helper runs for a call of a kind (native/values.h `enum CallHow`); the
+    kinds it does not take run in Python (calls/kernel.py)."""
+
+    PYTHON = -1
+    TENSOR_PRE_HOOKS = 0
+    PRE_HOOKS = 1
+    POST_HOOKS = 2
+    NODE = 3
+    ACCUMULATE = 4
+    HOOKED_ACCUMULATE = 5
+
+
+class SlotKind(NamedTuple):
+    """One kind of call, as its node family defines it (nodes/__init__.py SLOT_KINDS: the one
+    table the trace, the passes, the call's kernel and the native helper follow)."""
+
+    name: str  # Slot.kind
+    family: str  # the node family whose call it is
+    # how the call's kernel runs it: (capture, node, args, mask, metas, hooks, steal) -> its outputs
+    run: Callable
+    native: CallHow = CallHow.PYTHON  # what the native helper runs for it
+    stage: int = -1  # where in its node's steps it runs (GraphCapture.hooks_added); -1: no hooks check
+    accumulates: bool = False  # hands a grad to AccumulateGrad; returns nothing
+    completes_node: bool = False  # eager has applied (and released) node `at` when it runs (NOTE [A backward that raised part way])
+    reads_saved: bool = True  # may read saved tensors (NOTE [Saved tensors freed as eager frees them])
+    shares_args: bool = True  # what else in the graph reads its arguments is recorded (Slot.shared)
+    resumable: bool = False  # a first run may stop at it (NOTE [A call output in another layout on a graph's first run])
+    ordering_args: bool = False  # its arguments only order it: no grad of its is kept by it
+    new_grads_go_nowhere: bool = False  # an output where the trace had None is dropped, not an error
+    what: str = ""  # how its errors name it ("" : "<kind> of <node>")
 
 
 class ResumePoint(NamedTuple):
@@ -331,7 +345,7 @@ class ResumePoint(NamedTuple):
 
     slot: int
     node: int  # the node in whose step the call runs
-    kind: str  # TENSOR_PRE_HOOKS, PRE_HOOKS, POST_HOOKS or NODE: the step goes on after it
+    kind: str  # a resumable slot kind (hooks or an opaque node): the step goes on after it
     # the grads waiting for later nodes: (node, input_nr, value's name, definedness) each;
     # definedness None (defined), or ((flag's name, position), ...): defined iff any is set
     frontier: tuple
@@ -385,8 +399,8 @@ class Plan:
     @functools.cached_property
     def steals(self) -> bool:
         """Whether an ACCUMULATE call may hand AccumulateGrad the graph's own buffer
-        (NOTE [Stealing a fresh grad], replay/calls.py)."""
-        return any(slot.kind in ACCUMULATES and slot.fresh for slot in self.slots)
+        (NOTE [Stealing a fresh grad], nodes/accumulate.py): only such a call is ever `fresh`."""
+        return any(slot.fresh for slot in self.slots)
 
 
 # NOTE [Boxed graphs free their inputs]

@@ -65,7 +65,7 @@ from pathlib import Path
 
 import torch
 
-from .. import native
+from .. import calls, config, native
 
 log = logging.getLogger("compiled_autograd")
 
@@ -73,7 +73,7 @@ FORMAT = 2
 
 
 # NOTE [Disk cache size]: the one place the budget is defined
-MAX_BYTES_ENV = "COMPILED_AUTOGRAD_GRAPH_DIR_MAX_BYTES"
+MAX_BYTES_ENV = config.GRAPH_DIR_MAX_BYTES.name
 DEFAULT_MAX_BYTES = 1 << 30
 STALE_TMP_SECONDS = 3600  # a temp file this old is a crashed store's: removed by `_evict`
 
@@ -94,7 +94,7 @@ def _warn_once(path: Path, why: str) -> None:
 def _root() -> Path | None:
     """The graph directory, or None (warned once) where it cannot be used
     (NOTE [Private cache], NOTE [The disk cache never fails a backward])."""
-    override = os.environ.get("COMPILED_AUTOGRAD_GRAPH_DIR")
+    override = config.GRAPH_DIR.read()
     root = Path(override) if override else native.cache_root() / "graphs"
     try:
         try:
@@ -221,7 +221,7 @@ def _path(pkey: bytes) -> Path | None:
 
 def max_bytes() -> int:
     """The disk cache's budget (NOTE [Disk cache size])."""
-    value = os.environ.get(MAX_BYTES_ENV)
+    value = config.GRAPH_DIR_MAX_BYTES.read()
     if not value:
         return DEFAULT_MAX_BYTES
     try:
@@ -308,14 +308,19 @@ def _marker(pkey: bytes, fingerprint: str) -> Path | None:
     return root / (pkey.hex()[:40] + "-" + hashlib.sha256(fingerprint.encode()).hexdigest()[:16] + ".compiled")
 
 
-def mark_compiled(pkey: bytes, fingerprint: str) -> None:
-    """NOTE [A graph known compiled]: the graph `pkey`'s compile with `fingerprint` is cached."""
+def compiled_marker(pkey: bytes, fingerprint: str) -> tuple | None:
+    """NOTE [A graph known compiled]: (path, bytes) of the marker that says the graph `pkey`'s
+    compile with `fingerprint` is cached, for the compile to write once it is (compile/:
+    `write_marker`, in this process or in a child left to finish after it); None where there
+    is no cache to mark."""
     try:
         path, secret = _marker(pkey, fingerprint), _secret()
-        if path is not None and secret is not None:
-            _write_new(path, hmac.new(secret, pkey + fingerprint.encode(), hashlib.sha256).digest())
+        if path is None or secret is None:
+            return None
+        return str(path), hmac.new(secret, pkey + fingerprint.encode(), hashlib.sha256).digest()
     except Exception:  # NOTE [The disk cache never fails a backward]
-        log.debug("could not mark a graph compiled", exc_info=True)
+        log.debug("could not make a compiled marker", exc_info=True)
+        return None
 
 
 def known_compiled(pkey: bytes, fingerprint: str) -> bool:
@@ -358,8 +363,7 @@ def _load(pkey: bytes) -> dict | None:
         log.warning("ignoring %s: not written by this user's compiled_autograd", path)
         return None
     try:
-        from ..replay import calls as ops  # noqa: F401  (the graph calls compiled_autograd::call)
-
+        calls.install()  # (the graph calls compiled_autograd::call)
         record = pickle.loads(data)
     except Exception:
         log.debug("could not load %s", path, exc_info=True)

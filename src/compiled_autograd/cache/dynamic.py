@@ -1,10 +1,11 @@
-"""The dynamic-shape policy: which sizes of a capture become symbols (NOTE [One symbol per
-size class] in capture/fakes.py for how)."""
+"""Why a capture: the dynamic-shape policy (which sizes of a capture become symbols; NOTE [One
+symbol per size class] in capture/fakes.py for how), and why a key is new."""
 
 from __future__ import annotations
 
 from ..config import Config
-from ..observe.captures import new_key_reason
+from ..observe.captures import node_keys
+from ..replay.entries import CACHE
 
 
 def _eligible(collected) -> list[bool]:
@@ -14,6 +15,33 @@ def _eligible(collected) -> list[bool]:
 
 
 MAX_DYNAMIC_PER_KEY = 3
+
+
+def new_key_reason(collected) -> str:
+    """Why a key is new: the first node whose part of the key differs from the
+    nearest cached graph with the same nodes, or that the nodes differ."""
+    entries = CACHE.entries()
+    if not entries:
+        return "first backward"
+    names = tuple(n.name for n in collected.nodes)
+    same = [e for e in entries if e.node_names == names]
+    if not same:
+        return "new graph structure (nodes differ from every cached graph)"
+    mine = node_keys(collected.capture)
+    best = None
+    for e in same:
+        diff = [i for i, (a, b) in enumerate(zip(mine, e.node_keys)) if a != b]
+        if best is None or len(diff) < len(best):
+            best = diff
+    if not best:
+        return "same nodes as a cached graph; custom Function state, saved-tensor hooks or backend options differ"
+    i = best[0]
+    if i == len(names):
+        what = "the lifted tensors' dtype, device, layout or requires_grad"
+    else:
+        what = f"node #{i} {names[i]}: a saved constant, hook count or the metadata of its edges"
+    more = f" (and {len(best) - 1} more)" if len(best) > 1 else ""
+    return f"same nodes as a cached graph, but {what} differ{more}"
 
 
 def plan_capture(cfg: Config, fam, collected) -> tuple[tuple | None, str]:

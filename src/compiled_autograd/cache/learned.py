@@ -1,19 +1,20 @@
-"""What earlier backwards of a graph taught: the layouts of call outputs, learned from a replay
-or an eager backward (NOTE [Layouts of call outputs], replay/calls.py); the learning backwards."""
+"""The learning backwards: an eager backward run to learn what a graph's hooks or opaque nodes
+return, and what a replay taught about the layouts of call outputs (NOTE [Layouts of call
+outputs], calls/kernel.py). What they learn is kept in nodes/learned.py's store."""
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from typing import Any, Callable
 
 import torch
 
 from .. import values
-from ..observe.stats import LOCK, STATS
-from ..values import NodeKind
+from ..nodes import FAMILIES
 from ..nodes.builtin import other_path
+from ..nodes.learned import LEARNED
 from ..nodes.saved_tensors import Learn
+from ..observe.stats import LOCK, STATS
 
 log = logging.getLogger("compiled_autograd")
 
@@ -30,82 +31,55 @@ def learn_in_eager(learn: Learn, eager: Callable[[], Any]):
     return result
 
 
-LAYOUTS: dict = {}  # key -> {(slot, output): dim order seen at run time} (NOTE [Layouts of call outputs], replay/calls.py)
-
-
-_relayouts: Counter = Counter()  # key -> captures made again for a layout seen
-
-
-layout_reasons: dict = {}  # key -> the reason of its next capture
-
-
-MAX_RELAYOUTS = 3  # then a key keeps its graph and copies what comes in another layout
-
-
 def learn_layouts(key, observed: dict, copied: bool = True) -> bool:
     """Count the outputs a replay copied into their traced layout (`copied`: not where the run
     stopped at them instead, NOTE [A call output in another layout on a graph's first run] in
     capture/resume.py); remember the dense layouts they had. True when that is new for this
     key: its graph is then dropped and the next backward captures again, in those layouts
-    (NOTE [Layouts of call outputs], replay/calls.py)."""
+    (NOTE [Layouts of call outputs], calls/kernel.py)."""
     with LOCK:
         STATS.layout_copies += len(observed) if copied else 0
-    seen = {where: order for where, order in observed.items() if order is not None}
-    table = LAYOUTS.get(key, {})
-    new = {where: order for where, order in seen.items() if table.get(where) != order}
-    if not new or _relayouts[key] >= MAX_RELAYOUTS:
+    new = LEARNED.layouts.learn_calls(key, {where: order for where, order in observed.items() if order is not None})
+    if not new:
         return False
-    if key not in LAYOUTS and len(LAYOUTS) >= 1024:
-        LAYOUTS.pop(next(iter(LAYOUTS)))
-    LAYOUTS[key] = {**table, **new}
-    _relayouts[key] += 1
-    layout_reasons[key] = f"{len(new)} call outputs came back in another layout than traced: captured again in those layouts"
-    log.info("%d call outputs in another layout than traced: the next backward captures again", len(new))
+    log.info("%d call outputs in another layout than traced: the next backward captures again", new)
     return True
 
 
-NODE_LAYOUTS: dict = {}  # key -> {(node, output): layout seen}: the opaque nodes' outputs
-NODE_LEARNED: dict = {}  # key -> the opaque nodes whose outputs a learning backward watched
+def next_reason(key, reason: str) -> str:
+    """Why this key's next capture is made: a layout seen (learn_layouts), else `reason`."""
+    return LEARNED.layouts.reasons.pop(key, reason)
 
 
-def unlearned_opaque(key, opaque) -> list:
-    """NOTE [Nodes made opaque by their trace]
-    `opaque_outputs_to_learn` watches the nodes known to be opaque before the capture (C++
-    Functions, those `enable(opaque=...)` names, Functions whose state no key can hold). A node
-    can also become opaque while the capture traces it: a custom Function whose backward fails
-    on fakes (`torch.sparse_coo_tensor` with `check_sparse_tensor_invariants` enabled reads its
-    indices' data). Its outputs were predicted contiguous, and a replay copied what came in
-    another layout into that one: a sparse grad became a dense one, which eager never gives
-    (hooks got a dense tensor, a sparse `.grad` turned dense). So a capture that made a user's
-    Function opaque because its backward could not be traced, where no backward has shown its
-    outputs yet, is not compiled: this backward runs in eager autograd to learn them
-    (`learn_node_layouts`, counted in learning_backwards) and the next is captured with them
-    (capture/entry.py). (A built-in formula or a torch.compile'd region that its trace made
-    opaque returns dense grads, and a Function made opaque for another reason was traced: a
-    strided layout other than predicted is copied and learned from the replay, as a hook's.)
-    `opaque`: Plan.opaque's rows of such nodes; returns those not learned yet."""
-    seen = NODE_LEARNED.get(key, ())
-    return [i for i, _, _ in opaque if i not in seen]
-
-
-def layouts_of(key) -> dict:
-    """What the trace of this key predicts from earlier backwards: (slot, output) -> layout
-    for calls seen in another layout, ("node", index, output) -> layout for opaque nodes."""
-    nodes = NODE_LAYOUTS.get(key) or {}
-    return {**{("node", *where): layout for where, layout in nodes.items()}, **LAYOUTS.get(key, {})}
+# NOTE [Nodes made opaque by their trace]
+# `opaque_outputs_to_learn` watches the nodes known to be opaque before the capture (C++
+# Functions, those `enable(opaque=...)` names, Functions whose state no key can hold). A node
+# can also become opaque while the capture traces it: a custom Function whose backward fails
+# on fakes (`torch.sparse_coo_tensor` with `check_sparse_tensor_invariants` enabled reads its
+# indices' data). Its outputs were predicted contiguous, and a replay copied what came in
+# another layout into that one: a sparse grad became a dense one, which eager never gives
+# (hooks got a dense tensor, a sparse `.grad` turned dense). So a capture that made a user's
+# Function opaque because its backward could not be traced, where no backward has shown its
+# outputs yet, is not compiled: this backward runs in eager autograd to learn them
+# (`learn_node_layouts`, counted in learning_backwards) and the next is captured with them
+# (capture/entry.py, LEARNED.layouts.unlearned_opaque). (A built-in formula or a torch.compile'd
+# region that its trace made opaque returns dense grads, and a Function made opaque for another
+# reason was traced: a strided layout other than predicted is copied and learned from the
+# replay, as a hook's.)
 
 
 def opaque_outputs_to_learn(cfg, key, collected) -> list:
     """The opaque nodes of a graph not seen before whose outputs' layouts no backward has
-    shown: (index, node) each (NOTE [Layouts of call outputs], replay/calls.py)."""
-    if key in NODE_LAYOUTS:
+    shown: (index, node) each (NOTE [Layouts of call outputs], calls/kernel.py)."""
+    layouts = LEARNED.layouts
+    if key in layouts.nodes:
         return []
     capture = collected.capture
-    idxs = [i for i, n in enumerate(collected.nodes) if n.execute and (n.opaque or (n.name in cfg.opaque and n.kind != NodeKind.ACCUMULATE))]
+    idxs = [i for i, n in enumerate(collected.nodes) if n.execute and (n.opaque or (n.name in cfg.opaque and FAMILIES[n.kind].opaque_by_name))]
     idxs += [i for i, info in collected.pynodes.items() if info.opaque_reason is not None and i not in idxs]
     idxs += [i for i in other_path(collected, False) if i not in idxs]  # NOTE [Formulas that take another path when traced]
     if not idxs:
-        NODE_LAYOUTS[key] = {}
+        layouts.nodes[key] = {}
         return []
     return [(i, capture.node_object(i)) for i in idxs]
 
@@ -113,7 +87,7 @@ def opaque_outputs_to_learn(cfg, key, collected) -> list:
 def learn_node_layouts(key, watch, eager):
     """Run this backward in eager autograd, with a post hook on each opaque node that notes
     how its outputs are laid out (a custom Function may return a sparse or a transposed
-    grad); the next backward is traced with them."""
+    grad); the next backward is traced with them (NOTE [Nodes made opaque by their trace])."""
     seen: dict = {}
 
     def observer(idx):
@@ -133,25 +107,11 @@ def learn_node_layouts(key, watch, eager):
     finally:
         for h in handles:
             h.remove()
-    if len(NODE_LAYOUTS) >= 1024:
-        NODE_LAYOUTS.pop(next(iter(NODE_LAYOUTS)))
-    if len(NODE_LEARNED) >= 1024 and key not in NODE_LEARNED:
-        NODE_LEARNED.pop(next(iter(NODE_LEARNED)))
-    NODE_LAYOUTS[key] = {**NODE_LAYOUTS.get(key, {}), **seen}
-    NODE_LEARNED[key] = set(NODE_LEARNED.get(key, ())) | idxs
+    LEARNED.layouts.learn_nodes(key, seen, idxs)
     with LOCK:
         STATS.learning_backwards += 1
     return result
 
 
 def reset() -> None:
-    from ..nodes.function import CHURN
-    from ..nodes.saved_tensors import LEARNED
-
-    LEARNED.clear()
-    CHURN.clear()
-    LAYOUTS.clear()
-    NODE_LAYOUTS.clear()
-    NODE_LEARNED.clear()
-    _relayouts.clear()
-    layout_reasons.clear()
+    LEARNED.reset()

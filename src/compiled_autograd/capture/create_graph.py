@@ -64,7 +64,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..replay.differentiable import Vjp, _vjp
+from ..replay.differentiable import Vjp, engine_vjp
 
 
 def split_joint(graph: fx.GraphModule, example_inputs: list, differentiable: tuple):
@@ -87,7 +87,7 @@ def split_joint(graph: fx.GraphModule, example_inputs: list, differentiable: tup
         pairs = [(o, t) for o, t in zip([o for o, d in zip(outs, differentiable) if d], tangents) if o.requires_grad]
         if len(pairs) != sum(differentiable):
             raise _NotSplit("a result's requires_grad differs from the trace")
-        grads = _vjp([o for o, _ in pairs], [t for _, t in pairs], [ps[i] for i in wrt], False)
+        grads = engine_vjp([o for o, _ in pairs], [t for _, t in pairs], [ps[i] for i in wrt], False)
         return list(outs), list(grads)
 
     metas = [(tuple(o.shape), tuple(o.stride()), o.dtype, o.device) for o, d in zip(_fake_outputs(graph), differentiable) if d]

@@ -7,21 +7,20 @@ import logging
 import time
 from typing import NamedTuple
 
-from ..cache.memory import CompiledBackward, Dynamic
+from ..replay.entries import CompiledBackward, Dynamic
 from ..compile.background import compile_in_background
 from ..compile import backends, child
 from ..compile.backends import may_steal
 from ..compile.boxed import static_fakes
 from ..config import Config
-from ..cache import learned
-from ..nodes import compiled_region
+from ..nodes import builtin, compiled_region
+from ..nodes.learned import LEARNED
 from ..errors import Fallback, LearnLayouts
 from ..observe.captures import describe_dynamic, log_capture, node_keys
 from ..observe.logs import compile_status
 from ..observe.stats import LOCK, STATS
-from ..replay.graph_task import in_graph_task
+from ..calls.graph_task import in_graph_task
 from ..replay.validate import expected_outputs
-from ..nodes import builtin
 from ..values import NodeSummary
 from .create_graph import split_joint
 from ..errors import NotTwiceDifferentiable
@@ -86,7 +85,7 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
         raise Fallback("create_graph=True with an opaque node")
     if captured.results is None and not create_graph:
         # (a live record's results are this backward's: it ran; it makes no node opaque)
-        unseen = learned.unlearned_opaque(key, [o for o in captured.plan.opaque if _untraced_user_function(collected, *o)])
+        unseen = LEARNED.layouts.unlearned_opaque(key, [o for o in captured.plan.opaque if _untraced_user_function(collected, *o)])
         if unseen:  # NOTE [Nodes made opaque by their trace] (cache/learned.py)
             raise LearnLayouts(unseen)
     vjp, how = None, None

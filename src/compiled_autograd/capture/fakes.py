@@ -16,7 +16,7 @@ from torch.fx.experimental.symbolic_shapes import (
     StatelessSymbolicContext,
 )
 
-from ..walk.collect import Collected
+from ..values import Collected
 from ..compile.boxed import fakeable  # (NOTE [Views that change the dtype])
 
 

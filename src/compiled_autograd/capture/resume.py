@@ -2,7 +2,7 @@
 
 NOTE [A call output in another layout on a graph's first run]
 The trace decides the layout of what each call returns before anything runs (NOTE [Layouts
-of call outputs], replay/calls.py): a hook's result is traced in its grad's layout. A hook
+of call outputs], calls/kernel.py): a hook's result is traced in its grad's layout. A hook
 that returns another (`g.t().contiguous().t()`) had its result copied into the traced layout;
 the values are the same, but a kernel after it may sum in another order than eager's on the
 tensor eager passed on (a bias grad `g.sum(0)`: 1e-6 off). The layout seen is learned and the
@@ -38,11 +38,14 @@ import torch
 import torch.fx as fx
 
 from ..errors import ResumeHere
-from ..replay import calls as ops
+from ..calls import kernel
+from ..nodes import SLOT_KINDS
+from ..nodes.grads import Value
+from ..nodes.hooks import POST_HOOKS
+from ..nodes.opaque import NODE
 from ..values import ResumePoint
-from .grads import _Value
 
-KINDS = (ops.TENSOR_PRE_HOOKS, ops.PRE_HOOKS, ops.POST_HOOKS, ops.NODE)  # calls whose outputs the graph computes on
+KINDS = frozenset(k for k, row in SLOT_KINDS.items() if row.resumable)  # calls whose outputs the graph computes on
 
 
 def resumable(collected) -> bool:
@@ -178,7 +181,7 @@ def _resume(collected, plan, point: ResumePoint, stop: ResumeHere, env: dict, ar
     for to, nr, name, bits in point.frontier:
         if bits is not None and not any(bool(env[f][pos]) for f, pos in bits):
             continue  # (undefined at run time: nothing waits there)
-        buffers.setdefault(to, [None] * collected.nodes[to].num_inputs)[nr] = _Value(env[name])
+        buffers.setdefault(to, [None] * collected.nodes[to].num_inputs)[nr] = Value(env[name])
     env.clear()
     resumer = _resumer_class()(collected, plan, results, point.n_result_calls, sizes)
     resumer.go_on(list(args), point, buffers, stop)
@@ -201,7 +204,7 @@ def _resumer_class():
             self.resumable = False
             self.graph_results = results
             self.calls_left = iter(plan.result_calls[n_calls:])
-            self.steal = ops.input_storages(collected.lifted)
+            self.steal = kernel.input_storages(collected.lifted)
 
         def go_on(self, args, point, buffers, stop):
             self.run(args, lambda: self._go_on(args, point, buffers, stop))
@@ -209,12 +212,12 @@ def _resumer_class():
         def _go_on(self, args, point, buffers, stop):
             self.buffers = buffers
             captured = [(-1, -1)] * self.capture.num_results()
-            if point.kind in (ops.NODE, ops.POST_HOOKS):  # the node's outputs, as they came
+            if point.kind in (NODE, POST_HOOKS):  # the node's outputs, as they came
                 values = list(stop.outs)
-                self.resumed_inputs = [None if a is None else _Value(a) for a in stop.args] if point.kind == ops.NODE else []
+                self.resumed_inputs = [None if a is None else Value(a) for a in stop.args] if point.kind == NODE else []
             else:  # the grads entering the node, as the hooks returned them
-                values = [None if o is None else _Value(o) for o in stop.outs]
-            ops.check_hooks_added(self.capture, point.kind, point.node)
+                values = [None if o is None else Value(o) for o in stop.outs]
+            kernel.check_hooks_added(self.capture, point.kind, point.node)
             self._step(point.node, values, args, captured, done=point.kind)
             for idx in range(point.node + 1, len(self.nodes)):
                 self._step(idx, self.buffers.pop(idx, [None] * self.nodes[idx].num_inputs), args, captured)
@@ -243,20 +246,11 @@ def _resumer_class():
         def _call(self, kind, node, args, out_metas, flags=False, values=None, keeps=None):
             capture = self.capture
             mask = [m is not None for m in out_metas]
-            if kind == ops.TENSOR_PRE_HOOKS:
-                outs = capture.call_tensor_pre_hooks(node, list(args))
-            elif kind == ops.PRE_HOOKS:
-                outs = capture.call_pre_hooks(node, list(args))
-            elif kind == ops.POST_HOOKS:
-                outs = capture.call_post_hooks(node, list(args[: len(mask)]), list(args[len(mask) :]))
-            elif kind == ops.NODE:
-                outs = capture.call_node(node, list(args))
-            elif kind in ops.ACCUMULATES:
-                ops.accumulate(capture, node, list(args), self.steal, kind == ops.HOOKED_ACCUMULATE)
-                outs = []
-            else:  # (UNPACK: a graph with one is not resumed)
+            row = SLOT_KINDS[kind]
+            if not row.resumable and not row.accumulates:  # (UNPACK: a graph with one is not resumed)
                 raise AssertionError(f"compiled_autograd: a {kind} call in a resumed backward")
-            ops.check_hooks_added(capture, kind, node)
+            outs = row.run(capture, node, list(args), mask, None, None, self.steal)
+            kernel.check_hooks_added(capture, kind, node)
             outs = list(outs) + [None] * (len(mask) - len(outs))
             return [o if m else None for o, m in zip(outs, mask)], None
 

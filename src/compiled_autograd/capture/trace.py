@@ -25,7 +25,7 @@ A call given such a value (a hook, an opaque node, AccumulateGrad) also gets
 its definedness and passes None where it is undefined, as eager would. A
 traced formula given it as its only grad computes on the zeros: its results
 carry the same flags, and where they are summed with another grad they are
-masked first (`_sum`: a formula can turn zeros into NaN, 0 / 0 in sqrt's at 0;
+masked first (`sum_grads`: a formula can turn zeros into NaN, 0 / 0 in sqrt's at 0;
 a value no formula ran on since its call, zeros when undefined, needs no mask).
 A built-in node given it beside other grads runs opaquely instead: its formula
 skips an undefined grad's terms, where zeros could make NaN (0 * inf).
@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,21 +43,21 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from .. import config
 from ..errors import NeedsOpaque, NotTwiceDifferentiable
-from ..nodes import TRACE_RULES, accumulate, builtin, compiled_region, function, hooks, opaque, saved_tensors
-from ..replay import calls as ops
-from ..values import NodeKind, Plan, Slot
-from ..walk.collect import Collected
+from ..nodes import FAMILIES, accumulate, builtin, hooks, opaque, saved_tensors
+from ..calls import protocol
+from ..values import Collected, OutputMeta, Plan, Slot
 from ..observe.stats import LOCK, STATS
 from .fakes import fake_inputs
 from .record import Recorder, record
-from .grads import _sum, _union, _Value, defined
+from ..nodes.grads import Value, defined, sum_grads, union_bits
 from . import resume
-from .passes import _mark_fresh_grads, _mark_shared_args, _order_reads_before_calls, _passable, _releases, _version_checked
+from .lint import lint
+from .passes import mark_fresh_grads, mark_shared_args, passable_inputs, releases, reorder_for_calls, version_checked_inputs
 
 log = logging.getLogger("compiled_autograd")
 
-ACCUMULATE_KIND = NodeKind.ACCUMULATE
 MAX_OPAQUE_RETRIES = 16  # traces of one backward, each making one more node opaque
 
 
@@ -92,12 +91,12 @@ class _BackwardTracer:
 
 
     # -- graph results -------------------------------------------------------
-    def _result(self, v: _Value | None) -> tuple[int, int]:
+    def _result(self, v: Value | None) -> tuple[int, int]:
         rf = self._new_result(v)
         self.result_calls.append(rf)
         return rf
 
-    def _new_result(self, v: _Value | None) -> tuple[int, int]:
+    def _new_result(self, v: Value | None) -> tuple[int, int]:
         if v is None:
             return -1, -1
         self.results.append(v.t)
@@ -142,29 +141,29 @@ class _BackwardTracer:
                 self.resume_points.append(point)
         metas = [self._layout(slot, k, m) for k, m in enumerate(m for m in out_metas if m is not None)]
         keeps = flags if keeps is None else keeps
-        bits = (ops.DEFINEDNESS if flags else 0) | (ops.KEEPS_INPUTS if keeps else 0) | ops.FREED_NOT_REUSED | ops.DIRECT
-        outs = torch.ops.compiled_autograd.call(slot, list(args), ops.encode_meta(metas), bits)
+        bits = (protocol.DEFINEDNESS if flags else 0) | (protocol.KEEPS_INPUTS if keeps else 0) | protocol.FREED_NOT_REUSED | protocol.DIRECT
+        outs = torch.ops.compiled_autograd.call(slot, list(args), protocol.encode_meta(metas), bits)
         flag = outs[-1] if flags else None
         it = iter(outs)
         positional = [next(it) if m else None for m in mask]
         return positional, flag
 
-    def _layout(self, slot, k, meta) -> ops.OutputMeta:
+    def _layout(self, slot, k, meta) -> OutputMeta:
         """Output k of call `slot` as the trace predicts it (NOTE [Layouts of call outputs],
-        replay/calls.py): in the layout it had at run time when that differed from the prediction
+        calls/kernel.py): in the layout it had at run time when that differed from the prediction
         before (`layouts`), else as given: an OutputMeta, or (shape, dtype, device), contiguous."""
-        if not isinstance(meta, ops.OutputMeta):
+        if not isinstance(meta, OutputMeta):
             shape, dtype, device = meta
-            meta = ops.OutputMeta.dense(shape, dtype, torch.device(device))
+            meta = OutputMeta.dense(shape, dtype, torch.device(device))
         return self._seen_layout(meta, self.layouts.get((slot, k)))
 
     @staticmethod
-    def _seen_layout(meta: ops.OutputMeta, seen) -> ops.OutputMeta:
-        """`meta` laid out as a backward showed (ops.observed_layout), if it showed one."""
+    def _seen_layout(meta: OutputMeta, seen) -> OutputMeta:
+        """`meta` laid out as a backward showed (values.observed_layout), if it showed one."""
         if seen == "sparse_coo":
-            return ops.OutputMeta(meta.shape, meta.dtype, meta.device, [0] * len(meta.shape), torch.sparse_coo)
+            return OutputMeta(meta.shape, meta.dtype, meta.device, [0] * len(meta.shape), torch.sparse_coo)
         if isinstance(seen, tuple) and len(seen) == len(meta.shape):
-            return ops.OutputMeta.dense(meta.shape, meta.dtype, meta.device, seen)
+            return OutputMeta.dense(meta.shape, meta.dtype, meta.device, seen)
         return meta
 
 
@@ -190,7 +189,7 @@ class _BackwardTracer:
         self.node_inputs: list = []  # the grads entering the node being traced
         self.unconsumed: list = []  # graph results (grads for AccumulateGrad or grad()) since the last unpack call
         for u in c.in_graph:
-            self.in_graph_metas[u.hid] = ops.OutputMeta.dense(dims[: u.dim], u.dtype, u.device, u.order)
+            self.in_graph_metas[u.hid] = OutputMeta.dense(dims[: u.dim], u.dtype, u.device, u.order)
             dims = dims[u.dim :]
         unpacked = [args[i] if i >= 0 else None for i in c.unpacked]
         capture.begin_trace(list(args[: c.n_native]), unpacked, functools.partial(saved_tensors.unpack_in_graph, self), sym)
@@ -206,17 +205,17 @@ class _BackwardTracer:
         roots = capture.roots()
         root_vals = capture.root_values([args[g] if g >= 0 else None for _, _, g in roots])
         for (idx, nr, _), t in zip(roots, root_vals):
-            self._add(idx, nr, None if t is None else _Value(t))
+            self._add(idx, nr, None if t is None else Value(t))
         captured = [(-1, -1)] * capture.num_results()
         for idx, node in enumerate(self.nodes):
             self._step(idx, self.buffers.pop(idx, [None] * node.num_inputs), args, captured)
         return self.results, captured
 
-    def _add(self, idx, nr, v: _Value | None):
+    def _add(self, idx, nr, v: Value | None):
         if idx < 0 or v is None:
             return
         buf = self.buffers.setdefault(idx, [None] * self.nodes[idx].num_inputs)
-        buf[nr] = _sum(buf[nr], v)
+        buf[nr] = sum_grads(buf[nr], v)
 
     def _step(self, idx, values, args, captured, done=None):
         """Node idx's step of the engine on the grads that reached it. `done`: the kind of the
@@ -226,43 +225,44 @@ class _BackwardTracer:
         node = self.nodes[idx]
         self.at = idx
         on, kind = node.hooks, node.kind  # (the node's hook counts)
+        leaf = FAMILIES[kind].leaf  # AccumulateGrad: the tensor hooks on it are its leaf's
         # grad() captures what reaches a node: after its tensor pre-hooks when the node
         # does not run, before them when it does (the engine's evaluate_function)
         if done is None and not node.execute and (on.tensor_pre or on.retains):
-            values = hooks.call(self, ops.TENSOR_PRE_HOOKS, idx, values)
-        if done is None or (done == ops.TENSOR_PRE_HOOKS and not node.execute):
+            values = hooks.call(self, hooks.TENSOR_PRE_HOOKS, idx, values)
+        if done is None or (done == hooks.TENSOR_PRE_HOOKS and not node.execute):
             for nr, out_idx in node.captures:
                 captured[out_idx] = self._result(values[nr])
         if not node.execute:
             return
         # a leaf's tensor hooks and its accumulation: one call (NOTE [A leaf's hooks and
-        # its accumulation in one call], replay/calls.py), where its grad is always defined
+        # its accumulation in one call], nodes/accumulate.py), where its grad is always defined
         hooked = None
         if done is None:
             # (not with post hooks on the node: they get the grads the tensor hooks returned)
-            if kind == ACCUMULATE_KIND and self.in_graph_accumulate and (on.tensor_pre or on.retains) and not on.pre and not on.post:
+            if leaf and self.in_graph_accumulate and (on.tensor_pre or on.retains) and not on.pre and not on.post:
                 v = values[0]
                 hooked = v if v is not None and v.bits is None else None
-            if kind == ACCUMULATE_KIND and self.late and on.tensor_pre:
+            if leaf and self.late and on.tensor_pre:
                 self.leaf_hooks.append(idx)  # (called as its grad is applied)
             elif (on.tensor_pre or on.retains) and hooked is None:
-                values = hooks.call(self, ops.TENSOR_PRE_HOOKS, idx, values)
-        if done in (None, ops.TENSOR_PRE_HOOKS) and on.pre:
-            values = hooks.call(self, ops.PRE_HOOKS, idx, values)
-        if done in (ops.NODE, ops.POST_HOOKS):
-            outputs = [None if o is None else _Value(o) for o in values]
+                values = hooks.call(self, hooks.TENSOR_PRE_HOOKS, idx, values)
+        if done in (None, hooks.TENSOR_PRE_HOOKS) and on.pre:
+            values = hooks.call(self, hooks.PRE_HOOKS, idx, values)
+        if done in (opaque.NODE, hooks.POST_HOOKS):
+            outputs = [None if o is None else Value(o) for o in values]
             values = self.resumed_inputs  # (a resumed step: the node's inputs, for its post hooks)
-        elif kind == ACCUMULATE_KIND and hooked is not None:
-            self._call(ops.HOOKED_ACCUMULATE, idx, [hooked.t], [])
+        elif leaf and hooked is not None:
+            self._call(accumulate.HOOKED_ACCUMULATE, idx, [hooked.t], [])
             outputs = []
-        elif kind == ACCUMULATE_KIND:
+        elif leaf:
             accumulate.trace(self, idx, values[0])
             outputs = []
         else:
             in_bits = self._input_bits(values)
             outputs = self._apply(idx, kind, values, args)
-            outputs = [None if o is None else (o if isinstance(o, _Value) else self._output_value(o, in_bits, values)) for o in outputs]
-        if on.post and done != ops.POST_HOOKS:
+            outputs = [None if o is None else (o if isinstance(o, Value) else self._output_value(o, in_bits, values)) for o in outputs]
+        if on.post and done != hooks.POST_HOOKS:
             outputs = hooks.post_hooks(self, idx, outputs, values)
         for (to, nr), v in zip(node.edges, outputs):
             self._add(to, nr, v)
@@ -272,22 +272,22 @@ class _BackwardTracer:
         defined = [v for v in values if v is not None]
         if not defined or any(v.bits is None for v in defined):
             return None
-        return _union(*(v.bits for v in defined))
+        return union_bits(*(v.bits for v in defined))
 
 
     def _apply(self, idx, kind, values, args):
-        """The node's step, by its family's rule (nodes/): its outputs."""
+        """The node's step, by its family's rule (nodes/__init__.py FAMILIES): its outputs."""
         if opaque.is_opaque(self, idx):
             return opaque.trace(self, idx, values)
-        return TRACE_RULES[kind](self, idx, values, args)
+        return FAMILIES[kind].trace(self, idx, values, args)
 
     @staticmethod
-    def _output_value(o, in_bits, values) -> _Value:
+    def _output_value(o, in_bits, values) -> Value:
         """A node's output: exact (zeros whenever undefined) when it is an exact input the
         node hands through as it is (BackwardHookFunction's backward, AddBackward's), not
         changed in place since (a backward may return `g.div_(x)`: its version moved)."""
         exact = in_bits is not None and any(v is not None and v.exact and o is v.t and o._version == v.version for v in values)
-        return _Value(o, in_bits, exact=exact)
+        return Value(o, in_bits, exact=exact)
 
 
 @dataclass
@@ -316,9 +316,9 @@ def capture_backward(*args, **kwargs) -> Captured:
     fx trace at a time], compile/torch_patches.py); the recorder, which traces without fx,
     did not. Every capture's trace now holds that lock, live records too: one capture traces
     at a time in the process; a hit never waits for it."""
-    from ..compile.torch_patches import _trace_lock
+    from ..compile.torch_patches import trace_lock
 
-    with _trace_lock:
+    with trace_lock:
         return _capture_backward(*args, **kwargs)
 
 
@@ -332,7 +332,7 @@ def _capture_backward(collected: Collected, opaque_names: tuple = (), mask=None,
     on the real tensors]); otherwise running the ops for real would only cost time."""
     opaque_extra: dict[int, str] = builtin.other_path(collected, create_graph)  # NOTE [Formulas that take another path when traced]
     opaque_extra.update(
-        {i: "marked opaque" for i, n in enumerate(collected.nodes) if n.name in opaque_names and n.kind != ACCUMULATE_KIND}
+        {i: "marked opaque" for i, n in enumerate(collected.nodes) if n.name in opaque_names and FAMILIES[n.kind].opaque_by_name}
     )
     recording = RECORD
     live = live and recording and LIVE and mask is None and not create_graph and not opaque_extra and _all_built_in(collected)
@@ -391,13 +391,15 @@ def _plan(gm, tracer, collected, captured, differentiable, num_results) -> Plan:
         for i in range(len(tracer.nodes))
         if tracer.nodes[i].execute and opaque.is_opaque(tracer, i)
     )
-    slots, watch = _order_reads_before_calls(
+    slots, watch = reorder_for_calls(
         gm,
-        _mark_shared_args(gm, _mark_fresh_grads(gm, tracer.slots)),
-        _version_checked(collected),
-        _passable(collected),
+        mark_shared_args(gm, mark_fresh_grads(gm, tracer.slots)),
+        version_checked_inputs(collected),
+        passable_inputs(collected),
         collected.arriving,
     )
+    if config.LINT.on():  # NOTE [The layout of a call's arguments] (capture/lint.py)
+        lint(gm, slots)
     return Plan(
         slots=slots,
         watch=watch,
@@ -407,7 +409,7 @@ def _plan(gm, tracer, collected, captured, differentiable, num_results) -> Plan:
         opaque=opaque_nodes,
         num_results=num_results,
         differentiable=differentiable,
-        releases=_releases(tracer.slots, tracer.nodes),
+        releases=releases(tracer.slots, tracer.nodes),
         leaf_hooks=tuple(tracer.leaf_hooks),
         resume=resume.points(gm, tracer),
         result_calls=tuple(tracer.result_calls),
@@ -417,15 +419,15 @@ def _plan(gm, tracer, collected, captured, differentiable, num_results) -> Plan:
 # NOTE [Recording a static trace] (capture/record.py); COMPILED_AUTOGRAD_RECORD=0 traces every
 # capture with make_fx; COMPILED_AUTOGRAD_RECORD_LIVE=0 records every static capture on fakes
 # (NOTE [Recording on the real tensors])
-RECORD = os.environ.get("COMPILED_AUTOGRAD_RECORD", "1") != "0"
-LIVE = os.environ.get("COMPILED_AUTOGRAD_RECORD_LIVE", "1") != "0"
+RECORD = config.RECORD.on()
+LIVE = config.RECORD_LIVE.on()
 
 
 def leaf_hooks_only(n) -> bool:
     """Whether node row `n` is an AccumulateGrad that the backward runs whose hooks are its leaf's
     tensor hooks and post-accumulate-grad hooks only (NOTE [A leaf's hooks under create_graph])."""
     on = n.hooks
-    return n.kind == ACCUMULATE_KIND and n.execute and not (on.retains or on.pre or on.post)
+    return FAMILIES[n.kind].leaf and n.execute and not (on.retains or on.pre or on.post)
 
 
 def _all_built_in(collected) -> bool:
@@ -434,7 +436,7 @@ def _all_built_in(collected) -> bool:
     [Recording on the real tensors])."""
     if collected.unpacked or collected.in_graph or collected.pynodes or collected.grad_on_ctx or collected.n_aot or collected.arriving:
         return False
-    return all(n.kind in (NodeKind.GENERIC, ACCUMULATE_KIND) and not n.opaque and not n.hooks.any for n in collected.nodes)
+    return all(FAMILIES[n.kind].live and not n.opaque and not n.hooks.any for n in collected.nodes)
 
 
 def _record_live(collected, opaque_extra, layouts, refused: list) -> Captured | None:

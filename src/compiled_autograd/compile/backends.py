@@ -1,4 +1,5 @@
-"""Turning a captured FX graph into something callable: the backend registry.
+"""Turning a captured FX graph into something callable: the built-in backends, registered in
+config.py's registry (the one list of names an option may give).
 
 Every backend receives the traced aten-level `GraphModule` and example inputs
 (the real lifted tensors for a static graph; fake tensors and SymInts for a
@@ -9,36 +10,14 @@ returning the list of graph outputs.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
+from ..config import BACKENDS, Backend, register
 from ..values import BackendLike
 from .boxed import _boxed_graph_module, _direct_calls_nop, compile_on_static_fakes
 from .torch_patches import compile_lock
-
-
-@dataclass(frozen=True)
-class Backend:
-    """A named backend: how it compiles a captured graph, and what the rest of the library
-    may assume about the code it makes."""
-
-    name: str
-    compile: Callable  # (gm, example_inputs, dynamic, patches) -> a callable taking the graph inputs
-    # its code leaves a grad handed to AccumulateGrad alone: AccumulateGrad may take the graph's
-    # buffer as `.grad` (NOTE [Stealing a fresh grad] in replay/calls.py)
-    steals: bool
-    background: bool  # compiled in a background thread unless enable(background=...) says otherwise
-    eager_kernels: bool  # runs eager's kernels in eager's order: results bitwise eager's
-
-
-BACKENDS: dict[str, Backend] = {}
-
-
-def register(backend: Backend) -> Backend:
-    BACKENDS[backend.name] = backend
-    return backend
 
 
 def _eager(gm, example_inputs, dynamic, patches):
@@ -87,7 +66,7 @@ def compile_graph(
 
 def may_steal(backend: BackendLike) -> bool:
     """Whether the code `backend` compiles leaves a grad handed to AccumulateGrad alone
-    (NOTE [Stealing a fresh grad] in replay/calls.py). A user's backend is unknown."""
+    (NOTE [Stealing a fresh grad] in nodes/accumulate.py). A user's backend is unknown."""
     return isinstance(backend, str) and BACKENDS[backend].steals
 
 

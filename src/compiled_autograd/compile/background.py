@@ -10,8 +10,8 @@ import threading
 import time
 from typing import Callable
 
-from ..cache import disk as diskcache
-from ..cache.memory import CACHE, CompiledBackward
+from ..replay.entries import CACHE, CompiledBackward
+from .. import config
 from ..config import Config
 from ..observe.logs import compile_status
 from ..observe.stats import LOCK, STATS
@@ -70,7 +70,7 @@ _deferred: dict[int, Callable[[], None]] = {}  # id(entry) -> start its compile,
 
 # how much lower a compile thread's CPU priority is than training's (NOTE [Steps while a graph
 # compiles]); COMPILED_AUTOGRAD_COMPILE_NICE=0 compiles at training's priority
-COMPILE_NICENESS = int(os.environ.get("COMPILED_AUTOGRAD_COMPILE_NICE", "5"))
+COMPILE_NICENESS = int(config.COMPILE_NICE.read())
 
 
 def _lower_priority() -> None:
@@ -89,15 +89,16 @@ def start_compile_of(entry: CompiledBackward, run: bool = True) -> None:
         start()
 
 
-_markers: dict[int, tuple] = {}  # id(entry) -> (disk key, fingerprint): NOTE [A graph known compiled]
+_markers: dict[int, tuple] = {}  # id(entry) -> (path, bytes): NOTE [A graph known compiled]
 
 
-def mark_when_compiled(entry: CompiledBackward, pkey: bytes, fingerprint: str) -> None:
+def mark_when_compiled(entry: CompiledBackward, marker: tuple | None) -> None:
     """Once the entry's background compile succeeded -- here, or in a child left to finish
-    after this process (NOTE [A compile finished after exit], compile/child.py) -- mark its
-    stored graph compiled (NOTE [A graph known compiled], cache/disk.py)."""
-    with LOCK:
-        _markers[id(entry)] = (pkey, fingerprint)
+    after this process (NOTE [A compile finished after exit], compile/child.py) -- write
+    `marker` (the disk cache's, cache/disk.py compiled_marker: NOTE [A graph known compiled])."""
+    if marker is not None:
+        with LOCK:
+            _markers[id(entry)] = marker
 
 
 def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, what: str, logged: dict, redo_dynamic=None) -> None:
@@ -135,7 +136,7 @@ def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, wh
             with LOCK:
                 STATS.compile_seconds += time.perf_counter() - t0
             if marker is not None:
-                diskcache.mark_compiled(*marker)
+                child.write_marker(*marker)
             logged["compile_seconds"] = time.perf_counter() - t0  # its own record: the log may be trimmed
             if dynamic is not None:
                 logged["guards"] = dynamic.guard_source
@@ -197,7 +198,7 @@ class CompileCancelled(BaseException):
 
 
 def _exit_wait() -> float | None:
-    raw = os.environ.get("COMPILED_AUTOGRAD_EXIT_WAIT", "")
+    raw = config.EXIT_WAIT.read()
     try:
         wait = float(raw) if raw.strip() else EXIT_WAIT_DEFAULT
     except ValueError:
@@ -233,7 +234,7 @@ class _WaitAtExit:
         wait = _exit_wait()
         if shared is not None:  # (waited for now: it runs free)
             shared.release()
-            if child.FINISH_AFTER_EXIT > 0 and not os.environ.get("COMPILED_AUTOGRAD_EXIT_WAIT"):
+            if child.FINISH_AFTER_EXIT > 0 and not config.EXIT_WAIT.read():
                 wait = 0.0  # it finishes after this process instead (NOTE [A compile finished after exit])
         if wait is None or wait > 0:
             log.info("waiting for %d background compile(s) before exiting", len(_pending))
@@ -284,6 +285,19 @@ def synchronize(timeout: float | None = None) -> bool:
         if deadline is not None and time.perf_counter() >= deadline:
             with LOCK:
                 return not _pending
+
+
+def report() -> list:
+    """explain()'s lines on the background compile running now and those left to finish after an
+    exit (NOTE [The compile's share of a busy machine], NOTE [A compile finished after exit])."""
+    out = []
+    running = share.current()
+    if running is not None:
+        out += [f"background compile: {running.summary()}", f"  {share.advice()}"]
+    if child.left_after_exit:
+        out.append(f"compiles left to finish after exit: {len(child.left_after_exit)} (for up to "
+                   f"{child.FINISH_AFTER_EXIT:.0f} s; COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0: stopped at exit)")
+    return out
 
 
 def reset() -> None:

@@ -9,17 +9,17 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..replay import calls as ops
+from ..calls import kernel
 from ..values import BOXED
 
 
 def _with_effects_direct(token, op, *args, **kwargs):
-    return (token, ops.direct(*args, **kwargs))
+    return (token, kernel.direct(*args, **kwargs))
 
 
 def _direct_calls(graph: torch.fx.Graph) -> None:
     """Our calls in a graph we run as generated Python code go straight to the kernel
-    (ops.call_direct): no dispatcher, and no `with_effects` higher-order op, whose Python
+    (calls/kernel.py call_direct): no dispatcher, and no `with_effects` higher-order op, whose Python
     dispatch (pytree flattening of the arguments, a new token tensor per call) cost about
     60 us a call, half a hook call's time. The call stays where the graph has it, and the
     graph runs in order (the token only threads that order through)."""
@@ -28,7 +28,7 @@ def _direct_calls(graph: torch.fx.Graph) -> None:
         if n.op != "call_function":
             continue
         if n.target is op:
-            n.target = ops._native().call_direct
+            n.target = kernel.native_calls().call_direct
         elif n.target is torch.ops.higher_order.with_effects and len(n.args) > 1 and n.args[1] is op:
             n.target = _with_effects_direct
 

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from .. import config
 from . import share
 
 log = logging.getLogger("compiled_autograd")
@@ -53,14 +54,14 @@ log = logging.getLogger("compiled_autograd")
 # imports anything (torch and this package: 3.7 s of CPU idle, 12 s beside training), and
 # with OpenMP's PASSIVE wait the training threads sleep at each barrier, so even an idle
 # child takes those moments and every step pays the wake-ups (1.55x).
-CHILD_NICENESS = os.environ.get("COMPILED_AUTOGRAD_CHILD_NICE", "idle")
+CHILD_NICENESS = config.CHILD_NICE.read()
 POLL_S = 0.05  # how often the waiting thread looks at the child (a cancel at exit lands between polls)
 
 _child_lock = threading.Lock()
 
 
 def enabled() -> bool:
-    return os.environ.get("COMPILED_AUTOGRAD_COMPILE_PROCESS", "1") != "0"
+    return config.COMPILE_PROCESS.on()
 
 
 def applies(backend, dynamic: bool) -> bool:
@@ -378,7 +379,7 @@ def _unlink(path: str) -> None:
 # child that gets less than half a CPU, beside a job that keeps every core busy, ends rather than
 # cost that job's steps); COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0 kills it at exit instead. The log
 # and explain() say so.
-FINISH_AFTER_EXIT = float(os.environ.get("COMPILED_AUTOGRAD_FINISH_AFTER_EXIT", "300"))
+FINISH_AFTER_EXIT = float(config.FINISH_AFTER_EXIT.read())
 left_after_exit: list = []  # pids of the children left to finish (explain())
 
 
@@ -440,10 +441,26 @@ def main(argv=None) -> int:
     with compile_lock, torch.no_grad():
         compile_inductor(gm, fakes, False, payload["patches"])
     if payload.get("marker") is not None:  # (a child left to finish after exit: nobody else will)
-        from ..cache import disk
-
-        disk.mark_compiled(*payload["marker"])
+        write_marker(*payload["marker"])
     return 0
+
+
+def write_marker(path: str, data: bytes) -> None:
+    """Write the disk cache's marker of a graph compiled (NOTE [A graph known compiled],
+    cache/disk.py, which made `data`): at a new temp name, never through a symlink, then renamed
+    into place, as the disk cache writes its files (NOTE [Private cache])."""
+    tmp = f"{path}.tmp{os.getpid()}-{os.urandom(8).hex()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:  # (the disk cache never fails a backward: the next process compiles it again)
+        log.debug("could not write a compiled marker", exc_info=True)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 if __name__ == "__main__":

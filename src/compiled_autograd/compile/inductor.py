@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from ..replay import calls as ops
+from ..calls import kernel, protocol
 from . import inductor_patches, torch_patches
 from .boxed import compile_on_static_fakes
 
@@ -37,7 +37,7 @@ def compile_inductor(gm, example_inputs, dynamic: bool, patches: dict | None):
 
 def _register_inductor_lowering() -> None:
     """Inductor's lowering of compiled_autograd::call: the generic fallback kernel, and,
-    for a call that hands its grad over (flags & ops.HANDS_OVER), that grad's buffer is
+    for a call that hands its grad over (flags & protocol.HANDS_OVER), that grad's buffer is
     never reused: inductor would otherwise write the next same-sized result into it
     (`buf3 = buf1; del buf1  # reuse`) while it is the parameter's `.grad`."""
     import torch.utils._pytree as pytree
@@ -67,30 +67,30 @@ def _register_inductor_lowering() -> None:
         created = V.graph.operations[start:]
         for operation in created:
             if isinstance(operation, ir.FallbackKernel) and not V.graph.cpp_wrapper and not getattr(V.graph, "fx_wrapper", False):
-                # the generated Python code calls the kernel directly (ops.call_direct): not
+                # the generated Python code calls the kernel directly (calls/kernel.py call_direct): not
                 # through the dispatcher, whose boxing of the arguments and redispatch to our
                 # Python kernel cost ~10 us a call
-                operation.python_kernel_name = ops.DIRECT_KERNEL_NAME
+                operation.python_kernel_name = kernel.DIRECT_KERNEL_NAME
         if previous is not None:
             deps = _ordering_deps(V.graph)
             for operation in created:
                 deps[operation.get_operation_name()].add(previous.get_name())
         if created:
             V.graph._compiled_autograd_last_call = created[-1]
-        if flags & ops.KEEPS_INPUTS or flags >> ops.PASSES_SHIFT:
+        if flags & protocol.KEEPS_INPUTS or flags >> protocol.PASSES_SHIFT:
             # a hook may keep a tensor it is given (a logging hook storing its grad), and
             # return it unchanged as its output (NOTE [Outputs the graph owns]): no buffer of
             # its inputs or outputs may be reused for another result. A call that passes
             # graph inputs on returns them (NOTE [Hooks may change what the graph reads]):
             # its outputs are not inductor's to reuse
             for operation in V.graph.operations[start:]:
-                if isinstance(operation, ir.FallbackKernel) and flags & ops.KEEPS_INPUTS:
+                if isinstance(operation, ir.FallbackKernel) and flags & protocol.KEEPS_INPUTS:
                     for inp in operation.inputs:
                         if isinstance(inp, ir.IRNode) and inp.maybe_get_name() is not None:
                             _never_reuse(inp.get_name())
                 elif isinstance(operation, ir.MultiOutput):
                     _never_reuse(operation.get_name())
-        if flags & ops.HANDS_OVER:
+        if flags & protocol.HANDS_OVER:
             # the grad is the first argument (the others only order the call: NOTE
             # [Hooks may change what the graph reads] in capture/trace.py)
             for operation in V.graph.operations[start:]:

@@ -9,6 +9,8 @@ import signal
 import threading
 import time
 
+from .. import config
+
 log = logging.getLogger("compiled_autograd")
 
 # NOTE [The compile's share of a busy machine]
@@ -36,9 +38,9 @@ log = logging.getLogger("compiled_autograd")
 # `stats()`/`explain()` say how much of a CPU the compile got while it was pending.
 FREE_RATE = 0.5  # CPU seconds per second below which the free child counts as starved
 FREE_WINDOW = 1.0  # seconds of a free child's run measured before it is judged
-SHORT_S = float(os.environ.get("COMPILED_AUTOGRAD_COMPILE_AFTER", "20"))  # (NOTE above)
+SHORT_S = float(config.COMPILE_AFTER.read())  # (NOTE above)
 SHORT_SHARE = 0.02
-LONG_SHARE = float(os.environ.get("COMPILED_AUTOGRAD_COMPILE_SHARE", "0.5"))
+LONG_SHARE = float(config.COMPILE_SHARE.read())
 MIN_SLICE = 0.02  # seconds: a slice shorter than this is not worth the stop and the wake-up
 MAX_SLICE = 0.5
 IDLE_S = 1.0

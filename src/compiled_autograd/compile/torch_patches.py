@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from .. import releases
+from ..calls import kernel
 from .inductor_patches import (
     _patch_codegen_free,
     _patch_mutation_renames,
@@ -95,7 +96,7 @@ def serialize_dynamo_compiles() -> None:
 # trace running" functions answer for the calling thread (their code is
 # replaced in place: dynamo binds `is_fx_symbolic_tracing` when it wraps a
 # function, possibly before this module was imported).
-_trace_lock = threading.RLock()
+trace_lock = threading.RLock()
 
 
 _fx_traces = threading.local()  # .depth: fx traces running in this thread
@@ -140,7 +141,7 @@ def _serialize_fx_traces() -> None:
 
     @functools.wraps(original)
     def trace(self, *args, **kwargs):
-        with _trace_lock:
+        with trace_lock:
             _fx_traces.depth = getattr(_fx_traces, "depth", 0) + 1
             try:
                 return original(self, *args, **kwargs)
@@ -225,19 +226,17 @@ def _patch_preserve_rng_state() -> None:
             module.preserve_rng_state = preserve_rng_state
 
 
-# answers `torch._C._will_engine_execute_node` for a graph of ours running its calls: set by
-# replay/calls.py (NOTE [Engine queries from hooks]); None for anything else (eager's answer)
-engine_query: Callable | None = None
-
-
 def _patch_will_engine_execute_node() -> None:
-    """NOTE [Engine queries from hooks] (replay/calls.py)."""
+    """NOTE [Engine queries from hooks] (calls/kernel.py): a graph of ours running its calls
+    answers `torch._C._will_engine_execute_node` (kernel.will_engine_execute_node); anything
+    else gets eager's answer."""
     original = _attr(torch._C, "_will_engine_execute_node")
     if getattr(original, "_compiled_autograd", False):
         return
+    ours = kernel.will_engine_execute_node
 
     def will_engine_execute_node(node):
-        answer = engine_query(node) if engine_query is not None else None
+        answer = ours(node)
         return original(node) if answer is None else answer
 
     will_engine_execute_node._compiled_autograd = True
@@ -281,7 +280,7 @@ PATCHES = (
     Patch(
         "engine queries",
         "torch._C._will_engine_execute_node",
-        "NOTE [Engine queries from hooks] (replay/calls.py)",
+        "NOTE [Engine queries from hooks] (calls/kernel.py)",
         "register_multi_grad_hook(mode='all') in a compiled graph never calls its function (tests/test_hooks_node.py)",
         IMPORT,
         _patch_will_engine_execute_node,

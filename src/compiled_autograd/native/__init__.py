@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from .. import releases
+from .. import config, releases
 
 log = logging.getLogger("compiled_autograd")
 
@@ -70,10 +70,10 @@ def version_problem(version: str = torch.__version__) -> str | None:
 
 
 def cache_root() -> Path:
-    base = os.environ.get("COMPILED_AUTOGRAD_CACHE_DIR")
+    base = config.CACHE_DIR.read()
     if base:
         return Path(base)
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    xdg = config.XDG_CACHE_HOME.read() or os.path.join(Path.home(), ".cache")
     return Path(xdg) / "compiled_autograd"
 
 

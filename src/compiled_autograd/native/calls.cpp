@@ -17,7 +17,7 @@
 namespace compiled_autograd_native {
 
 // ---------------------------------------------------------------------------
-// StorageSet (capture.h): NOTE [Stealing a fresh grad] (replay/calls.py)
+// StorageSet (capture.h): NOTE [Stealing a fresh grad] (nodes/accumulate.py)
 // ---------------------------------------------------------------------------
 StorageSet::StorageSet(const py::list& tensors) {
   for (const auto& item : tensors) {
@@ -135,7 +135,7 @@ std::vector<std::optional<at::Tensor>> Applier::call_node(
 // buffer `grad`: when its storage is none of the graph inputs' (`inputs`, a StorageSet;
 // none: never), AccumulateGrad gets a new tensor on it that nothing else refers to, which
 // it may steal as eager's does; else the graph's own tensor, which it copies (NOTE
-// [Stealing a fresh grad] in replay/calls.py). One call, no Python tensor made for the new one.
+// [Stealing a fresh grad] in nodes/accumulate.py). One call, no Python tensor made for the new one.
 void Applier::accumulate_graph_grad(size_t idx, const at::Tensor& grad, bool hooked, const StorageSet* inputs) {
   at::Tensor given = (inputs != nullptr && !inputs->contains(grad)) ? grad.detach() : grad;
   if (hooked) {
@@ -149,7 +149,7 @@ void Applier::accumulate_graph_grad(size_t idx, const at::Tensor& grad, bool hoo
 }
 
 // A leaf's tensor hooks, then its AccumulateGrad, as the engine runs them in one step
-// (NOTE [A leaf's hooks and its accumulation in one call] in replay/calls.py).
+// (NOTE [A leaf's hooks and its accumulation in one call] in nodes/accumulate.py).
 void Applier::hooked_accumulate_tensor(size_t idx, at::Tensor grad) {
   auto& fn = g_.nodes_.at(idx).fn;
   variable_list values;
@@ -273,28 +273,35 @@ bool Applier::will_execute(py::handle obj) const {
 }
 
 // ---------------------------------------------------------------------------
-// The call from compiled code (NOTE [Calls in the helper] in replay/calls.py):
-// calls._run_call's steps for AccumulateGrad, hook and opaque-node calls, without
+// The call from compiled code (NOTE [Calls in the helper] in calls/kernel.py):
+// kernel._run_call's steps for AccumulateGrad, hook and opaque-node calls, without
 // a Python frame; an unpack call, and every case these steps do not cover, goes
 // to the Python functions installed here.
 // ---------------------------------------------------------------------------
 struct ReplayFrame {
-  py::tuple frame; // values.ReplayFrame: (capture, slots, outside, hooks, steal, keep, versions, ctx, releases, observed) (FrameField)
+  py::tuple frame; // protocol.ReplayFrame: (capture, slots, outside, hooks, steal, keep, versions, ctx, releases, observed) (FrameField)
   GraphCapture* capture;
   StorageSet* steal; // nullptr: never steal
   c10::DispatchKeySet outside; // the dispatch keys the backward call excluded
-  py::list last; // calls._replay.last: the slot of the last call, at index `pos`
+  py::list last; // kernel._replay.last: the slot of the last call, at index `pos`
   Py_ssize_t pos;
 };
 
 static thread_local std::vector<ReplayFrame> replay_frames;
 
+// A slot kind's row, as the helper follows it (values.SlotKind: its name, native, stage)
+struct CallKindRow {
+  py::object name;
+  int how; // CallHow
+  int stage; // where in its node's steps it runs (GraphCapture::hooks_added)
+};
+
 struct CallFallbacks {
-  py::object call_direct; // calls.call_direct: any call not on the fast path
-  py::object run_call; // calls._run_call: a call on the fast path these steps do not take
-  std::vector<py::object> kinds; // the slot kinds, in CallKind's order
-  std::vector<at::ScalarType> dtypes; // values._DTYPES
-  std::vector<c10::DeviceType> device_types; // values._DEVICE_TYPES
+  py::object call_direct; // calls/kernel.py call_direct: any call not on the fast path
+  py::object run_call; // calls/kernel.py _run_call: a call on the fast path these steps do not take
+  std::vector<CallKindRow> kinds; // the rows of the kinds the helper runs
+  std::vector<at::ScalarType> dtypes; // protocol.DTYPES
+  std::vector<c10::DeviceType> device_types; // protocol.DEVICE_TYPES
   py::object check_versions, check_ctx, hooks_added_error, shared_modified_error, still_empty_error, conform_error, observed_layout, conformed;
 };
 
@@ -309,7 +316,8 @@ void install_calls(py::dict fns) {
   f.run_call = fns["run_call"];
   f.kinds.clear();
   for (auto k : py::list(fns["kinds"])) {
-    f.kinds.push_back(py::reinterpret_borrow<py::object>(k));
+    py::tuple row = py::reinterpret_borrow<py::tuple>(k);
+    f.kinds.push_back(CallKindRow{py::reinterpret_borrow<py::object>(row[0]), row[1].cast<int>(), row[2].cast<int>()});
   }
   f.dtypes.clear();
   for (auto d : py::list(fns["dtypes"])) {
@@ -353,22 +361,23 @@ static py::object wrap(at::Tensor t) {
   return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t)));
 }
 
-static int call_kind(py::handle kind) {
+// The row of a slot kind the helper runs: (how, stage); (CALL_PYTHON, -1) for any other
+static std::pair<int, int> call_kind(py::handle kind) {
   const auto& kinds = fallbacks().kinds;
-  for (size_t i = 0; i < kinds.size(); ++i) {
-    if (kind.ptr() == kinds[i].ptr()) {
-      return static_cast<int>(i);
+  for (const auto& row : kinds) {
+    if (kind.ptr() == row.name.ptr()) {
+      return {row.how, row.stage};
     }
   }
-  for (size_t i = 0; i < kinds.size(); ++i) {
-    if (kind.equal(kinds[i])) {
-      return static_cast<int>(i);
+  for (const auto& row : kinds) {
+    if (kind.equal(row.name)) {
+      return {row.how, row.stage};
     }
   }
-  return CALL_OTHER;
+  return {CALL_PYTHON, -1};
 }
 
-// Whether `t` (ours) is the only reference to its tensor and storage (calls._sole_owner). A
+// Whether `t` (ours) is the only reference to its tensor and storage (kernel._sole_owner). A
 // tensor made in Python keeps its PyObject while C++ refers to it (that PyObject's reference
 // counts in use_count, and the PyObject is referenced by the tensor while use_count > 1):
 // then it is ours alone when nothing in Python refers to that PyObject.
@@ -394,12 +403,12 @@ static bool sole_owner(const at::Tensor& t) {
   return alone && t.has_storage() && t.storage().use_count() == 1;
 }
 
-// The outputs of a hook or node call as the graph expects them (calls._conform): per output
+// The outputs of a hook or node call as the graph expects them (kernel._conform): per output
 // traced as defined (`mask`), the tensor, in the traced layout (copied into it, and its own
 // layout reported to `observed`, where it had another: NOTE [Layouts of call outputs]) and
 // without lazy conj/neg bits, copied unless the graph's code is its only owner or it is one
 // of `keep`; zeros where it is None; then, with DEFINEDNESS, which were defined. Anything
-// else: calls._conform's error.
+// else: kernel._conform's error.
 static py::list conform(
     int kind,
     ReplayFrame& f,
@@ -419,7 +428,7 @@ static py::list conform(
       given.append(o.has_value() && o->defined() ? wrap(*o) : py::none());
     }
     fb.conform_error(kind_obj, py::handle(f.frame[FrameField::CAPTURE]), node_obj, mask, given, meta_list, flags);
-    throw std::runtime_error("compiled_autograd: calls._conform accepted what the helper did not");
+    throw std::runtime_error("compiled_autograd: kernel._conform accepted what the helper did not");
   };
   if (outs.size() < n_mask) {
     outs.resize(n_mask);
@@ -493,8 +502,8 @@ py::object call_direct(int64_t slot, py::list args, py::list meta, int64_t flags
   py::tuple s = py::reinterpret_borrow<py::tuple>(py::handle(f.frame[FrameField::SLOTS])[py::int_(slot)]);
   // values.Slot: (kind, node, mask, in_flags, fresh, n_after, shared, n_watch, at) (SlotField)
   py::handle kind_obj = s[SlotField::KIND];
-  int kind = call_kind(kind_obj);
-  if (kind == CALL_OTHER || c10::impl::tls_local_dispatch_key_set().excluded_ != f.outside) {
+  auto [kind, stage] = call_kind(kind_obj);
+  if (kind == CALL_PYTHON || c10::impl::tls_local_dispatch_key_set().excluded_ != f.outside) {
     return python();
   }
   py::object node_obj = s[SlotField::NODE];
@@ -513,8 +522,8 @@ py::object call_direct(int64_t slot, py::list args, py::list meta, int64_t flags
   Py_ssize_t n_passed = flags >> kPassesShift;
   Py_ssize_t end_watch = PyList_GET_SIZE(args.ptr()) - n_passed;
   Py_ssize_t n = end_watch - n_watch - n_after;
-  // the slot of the last call (calls._replay.last); the engine runs each node in the
-  // backward's grad mode (calls._run_call)
+  // the slot of the last call (kernel._replay.last); the engine runs each node in the
+  // backward's grad mode (kernel._run_call)
   py::object at_obj = s[SlotField::AT];
   PyObject* last = PyList_GET_ITEM(f.last.ptr(), f.pos);
   bool new_node = last == Py_None ||
@@ -546,7 +555,7 @@ py::object call_direct(int64_t slot, py::list args, py::list meta, int64_t flags
   }
   py::list outs;
   if (kind == CALL_ACCUMULATE || kind == CALL_HOOKED_ACCUMULATE) {
-    // (a second argument: its definedness, a bool tensor: calls.accumulate)
+    // (a second argument: its definedness, a bool tensor: accumulate.accumulate)
     bool defined = !given.empty() && given[0] != Py_None &&
         (given.size() < 2 || given[1] == Py_None || THPVariable_Unpack(given[1]).item<bool>());
     if (defined) {
@@ -555,7 +564,7 @@ py::object call_direct(int64_t slot, py::list args, py::list meta, int64_t flags
     }
   } else {
     std::vector<std::optional<at::Tensor>> inputs;
-    std::vector<Py_ssize_t> refcounts; // a hook that keeps its grad: never steal it (calls._run_call)
+    std::vector<Py_ssize_t> refcounts; // a hook that keeps its grad: never steal it (kernel._run_call)
     for (PyObject* a : given) {
       inputs.emplace_back(a == Py_None ? std::nullopt : std::optional<at::Tensor>(THPVariable_Unpack(a)));
       refcounts.push_back(Py_REFCNT(a));
@@ -579,7 +588,7 @@ py::object call_direct(int64_t slot, py::list args, py::list meta, int64_t flags
         }
       }
     }
-    std::vector<at::Tensor> keep; // the call's inputs nothing else in the graph reads (calls._run_slot)
+    std::vector<at::Tensor> keep; // the call's inputs nothing else in the graph reads (kernel._run_slot)
     if (PyObject_IsTrue(f.frame[FrameField::KEEP].ptr()) && (flags & kKeepsInputs)) {
       for (size_t i = 0; i < inputs.size(); ++i) {
         bool is_shared = std::any_of(shared.begin(), shared.end(), [&](py::handle j) { return j.cast<size_t>() == i; });
@@ -591,7 +600,7 @@ py::object call_direct(int64_t slot, py::list args, py::list meta, int64_t flags
     inputs.clear();
     outs = conform(kind, f, slot, kind_obj, node_obj, mask, std::move(results), keep, meta, flags);
   }
-  if (f.capture->hooks_added(node, kStage[kind])) {
+  if (f.capture->hooks_added(node, stage)) {
     fb.hooks_added_error(kind_obj, py::handle(f.frame[FrameField::CAPTURE]), node_obj);
   }
   if (n_watch > 0) {

@@ -343,7 +343,7 @@ class Tracer {
   std::unordered_map<Node*, torch::autograd::GraphTask::ExecInfo>* marked_ = nullptr;
 };
 
-// NOTE [Stealing a fresh grad] (replay/calls.py): the storages of a graph's tensor inputs, by
+// NOTE [Stealing a fresh grad] (nodes/accumulate.py): the storages of a graph's tensor inputs, by
 // identity. Weak references pin their StorageImpls for the graph's run: a boxed graph frees
 // inputs as it goes, and a new grad may get a freed input's memory (by data address it read
 // as that input, and was copied: a flaky extra copy) but never its StorageImpl while a weak

@@ -1,5 +1,5 @@
 // What the helper and Python hand each other, mirrored from its one definition
-// in Python (values.py). Each definition here names its
+// in Python (values.py; the call's encoding: calls/protocol.py). Each definition here names its
 // Python counterpart: a change there is a change here. Where C++ reads a
 // Python tuple by position (or builds one Python reads by name), it uses the
 // constants below, never a bare index.
@@ -60,7 +60,7 @@ struct GradientEdgeField {
 };
 
 // ---------------------------------------------------------------------------
-// The call protocol (values.CallArgs: slot, args, meta, flags)
+// The call protocol (protocol.CallArgs: slot, args, meta, flags)
 // ---------------------------------------------------------------------------
 
 // values.Slot: one opaque call of a graph, by position
@@ -76,7 +76,7 @@ struct SlotField {
   static constexpr size_t AT = 8;
 };
 
-// values.ReplayFrame: the context of one compiled graph run, by position
+// protocol.ReplayFrame: the context of one compiled graph run, by position
 struct FrameField {
   static constexpr size_t CAPTURE = 0;
   static constexpr size_t SLOTS = 1;
@@ -90,24 +90,24 @@ struct FrameField {
   static constexpr size_t OBSERVED = 9;
 };
 
-// The bits of a call's `flags` the helper reads (values.DEFINEDNESS, values.KEEPS_INPUTS,
-// values.PASSES_SHIFT; the others it does not read)
+// The bits of a call's `flags` the helper reads (protocol.DEFINEDNESS, protocol.KEEPS_INPUTS,
+// protocol.PASSES_SHIFT; the others it does not read)
 static constexpr int64_t kDefinedness = 1, kKeepsInputs = 2, kPassesShift = 8;
 
-// the slot kinds (values.py), as this helper numbers them: the order of the `kinds`
-// calls._install_calls hands install_calls
-enum CallKind : int {
-  CALL_OTHER = -1,
+// What the helper runs for a call (values.CallHow). Each slot kind's row in the one table
+// (nodes/__init__.py SLOT_KINDS) names one, with the kind's stage; install_calls gets the rows
+// of the kinds it runs (calls/kernel.py install_native), any other kind goes to Python.
+enum CallHow : int {
+  CALL_PYTHON = -1,
   CALL_TENSOR_PRE_HOOKS = 0,
-  CALL_PRE_HOOKS,
-  CALL_POST_HOOKS,
-  CALL_NODE,
-  CALL_ACCUMULATE,
-  CALL_HOOKED_ACCUMULATE
+  CALL_PRE_HOOKS = 1,
+  CALL_POST_HOOKS = 2,
+  CALL_NODE = 3,
+  CALL_ACCUMULATE = 4,
+  CALL_HOOKED_ACCUMULATE = 5
 };
-static constexpr int kStage[] = {0, 1, 2, 2, 2, 0}; // values._STAGE, in CallKind's order
 
-// values.encode_meta: per output of a call, these fields, then its shape, then its strides
+// protocol.encode_meta: per output of a call, these fields, then its shape, then its strides
 struct MetaField {
   static constexpr Py_ssize_t RANK = 0;
   static constexpr Py_ssize_t DTYPE = 1;
@@ -115,19 +115,19 @@ struct MetaField {
   static constexpr Py_ssize_t LAYOUT = 3;
   static constexpr Py_ssize_t COUNT = 4; // (the number of fields: then the shape, then the strides)
 };
-// values.device_code: device type code * kDeviceCodeBase + (index + 1, 0 for none)
+// protocol.device_code: device type code * kDeviceCodeBase + (index + 1, 0 for none)
 static constexpr int64_t kDeviceCodeBase = 1024;
-// values._LAYOUTS: the layout codes
+// protocol.LAYOUTS: the layout codes
 static constexpr int64_t kLayoutStrided = 0, kLayoutSparseCoo = 1;
 
 // One output of a call as the graph was traced with it (values.OutputMeta), read from the
-// call's `meta` argument (values.encode_meta: per output rank, dtype code, device code, layout
+// call's `meta` argument (protocol.encode_meta: per output rank, dtype code, device code, layout
 // code, shape, strides).
 struct OutputMeta {
   std::vector<int64_t> shape, strides;
   at::ScalarType dtype;
   c10::Device device;
-  bool sparse; // sparse COO (values._LAYOUTS[1]), else strided
+  bool sparse; // sparse COO (protocol.LAYOUTS[1]), else strided
 
   at::Tensor empty() const {
     auto options = at::TensorOptions().dtype(dtype).device(device);
@@ -153,7 +153,7 @@ struct OutputMeta {
   }
 };
 
-// values.decode_meta: `dtypes` and `device_types` are values._DTYPES and values._DEVICE_TYPES
+// protocol.decode_meta: `dtypes` and `device_types` are protocol.DTYPES and protocol.DEVICE_TYPES
 // (as install_calls was given them)
 inline std::vector<OutputMeta> decode_meta(
     const py::list& meta,

@@ -28,6 +28,7 @@ eager copies): bitwise the same.
 from __future__ import annotations
 
 from ..errors import NeedsOpaque
+from ..values import NodeFamily, NodeKind
 from . import opaque
 
 # node name -> when its traced formula rounds other than eager's: "always", "cpu" (on CUDA
@@ -85,3 +86,6 @@ def trace(t, idx, values, args):
         # compiler): that node runs as is, the rest stays compiled
         first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
         raise NeedsOpaque(idx, f"not traceable: {first}") from e
+
+
+ROW = NodeFamily("node", NodeKind.GENERIC, trace, live=True)

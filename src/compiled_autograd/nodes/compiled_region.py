@@ -36,7 +36,7 @@ import weakref
 
 import torch
 
-from ..capture.tracing import _tracing
+from .tracing import _tracing
 from ..errors import NeedsOpaque
 
 

@@ -49,7 +49,7 @@ import weakref
 
 import torch
 
-from ..walk.state import _MISSING, _SIZE, _cell_full, _leaves, _pure_module, _SizeTemplate, _tensors, user_backward
+from .state import _MISSING, _SIZE, _cell_full, _leaves, _pure_module, _SizeTemplate, _tensors, user_backward
 
 def _has_int(v) -> bool:
     if type(v) is int:

@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from ..capture.tracing import _tracing
+from .tracing import _tracing
 from ..errors import NeedsOpaque, Unkeyable
-from ..values import UNPACK
-from ..walk.state import _leaves, _pure_module, _tensors, _value_key, backward_state_key, state_reads, swapped, user_backward
+from ..values import NodeFamily, NodeKind
+from .state import _pure_module, _tensors, _value_key, backward_state_key, state_reads, swapped, user_backward
 from . import compiled_region
 from . import compiled_region as aot
+from .learned import LEARNED
+from .saved_tensors import UNPACK
 from .ctx_sizes import _has_int, _node_sizes, _sizes_may_be_symbolic, _take_sizes, fill_sizes
 
 
@@ -65,38 +66,26 @@ class FunctionKey(NamedTuple):
     reason: str = ""  # why it runs opaquely
 
 
-class _Churn:
-    def __init__(self):
-        self.sets: dict = {}  # cls -> the distinct sets of its values, one per capture
-        self.opaque: dict = {}  # cls -> the reason its nodes now run opaquely
-        self.lock = threading.Lock()
-
-    def note_capture(self, collected) -> list[str]:
-        """Count the custom Functions a new graph traced; the names of those that just went opaque."""
-        per_cls: dict = {}
-        for _, k in collected.key.functions:
-            if isinstance(k, FunctionKey) and k.how == "traced":
-                per_cls.setdefault(k.cls, set()).add((_values_only(k.attrs), _values_only(k.state)))
-        went = []
-        with self.lock:
-            for cls, values in per_cls.items():
-                sets = self.sets.setdefault(cls, set())
-                sets.add(frozenset(values))
-                if len(sets) > CHURN_LIMIT and cls not in self.opaque:
-                    self.opaque[cls] = (
-                        f"its ctx values or the Python state its backward reads changed in {len(sets)} captures "
-                        "(NOTE [Functions whose values change every step]): it runs as is instead of a capture per value"
-                    )
-                    went.append(cls.__qualname__)
-        return went
-
-    def clear(self):
-        with self.lock:
-            self.sets.clear()
-            self.opaque.clear()
-
-
-CHURN = _Churn()
+def note_capture(collected) -> list[str]:
+    """Count the custom Functions a new graph traced (LEARNED.churn); the names of those that
+    just went opaque (NOTE [Functions whose values change every step])."""
+    churn = LEARNED.churn
+    per_cls: dict = {}
+    for _, k in collected.key.functions:
+        if isinstance(k, FunctionKey) and k.how == "traced":
+            per_cls.setdefault(k.cls, set()).add((_values_only(k.attrs), _values_only(k.state)))
+    went = []
+    with churn.lock:
+        for cls, values in per_cls.items():
+            sets = churn.sets.setdefault(cls, set())
+            sets.add(frozenset(values))
+            if len(sets) > CHURN_LIMIT and cls not in churn.opaque:
+                churn.opaque[cls] = (
+                    f"its ctx values or the Python state its backward reads changed in {len(sets)} captures "
+                    "(NOTE [Functions whose values change every step]): it runs as is instead of a capture per value"
+                )
+                went.append(cls.__qualname__)
+    return went
 
 
 def _values_only(key):
@@ -128,7 +117,7 @@ def _is_reentrant_checkpoint(cls) -> bool:
     return ckpt is not None and cls is getattr(ckpt, "CheckpointFunction", None)
 
 
-def _collect_pynode(capture, idx: int, lift, keep_graph: bool) -> tuple[tuple, PyNodeInfo]:
+def collect_pynode(capture, idx: int, lift, keep_graph: bool) -> tuple[tuple, PyNodeInfo]:
     node = capture.node_object(idx)
     m, mnd, boxed, is_var = capture.pynode_flags(idx)
     flags = (m, mnd, boxed, tuple(is_var))
@@ -158,7 +147,7 @@ def _collect_pynode(capture, idx: int, lift, keep_graph: bool) -> tuple[tuple, P
         info.opaque_reason = REENTRANT_CHECKPOINT
         return FunctionKey(cls, "opaque", reason=REENTRANT_CHECKPOINT), info
     user = not _pure_module(getattr(cls, "__module__", "") or "")
-    churned = CHURN.opaque.get(cls)
+    churned = LEARNED.churn.opaque.get(cls)
     if churned is not None:
         info.opaque_reason = churned
         return FunctionKey(cls, "opaque", reason=churned), info
@@ -370,3 +359,6 @@ def _rebuild(value, collected, args):
         return v
 
     return go(value)
+
+
+ROW = NodeFamily("custom Function", NodeKind.PYNODE, trace, color="#bdd7ee")

@@ -1,12 +1,17 @@
 """Hooks on nodes and tensors: one compiled_autograd::call per node step that has them, run at
-its eager position (NOTE [Opaque calls], replay/calls.py)."""
+its eager position (NOTE [Opaque calls], calls/__init__.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from ..capture.grads import _Value
-from ..replay import calls as ops
+from ..values import CallHow, OutputMeta, SlotKind
+from .grads import Value
+
+FAMILY = "hooks"
+TENSOR_PRE_HOOKS = "tensor_pre_hooks"  # a tensor's hooks (`tensor.register_hook`) and retain_grad
+PRE_HOOKS = "pre_hooks"  # `grad_fn.register_prehook`
+POST_HOOKS = "post_hooks"  # `grad_fn.register_hook`: run after the node, given its inputs too
 
 
 def call(t, kind, idx, values: list, extra=()):
@@ -17,14 +22,14 @@ def call(t, kind, idx, values: list, extra=()):
     [Undefined grads of opaque nodes])."""
     tensors = [v.t if v is not None else None for v in values]
     # a hook's result is predicted in its grad's layout (dense: as empty_like lays it out)
-    metas = [ops.OutputMeta.like(t) if t is not None else None for t in tensors]
+    metas = [OutputMeta.like(t) if t is not None else None for t in tensors]
     every = list(values) + list(extra)
     # a tensor hook gets None for an undefined grad and cannot make a defined one
     # undefined (returning None keeps it; giving a tensor for None raises in eager's
     # hook code): what it returns is defined as its input was, and needs no flag (but a
     # call with no tensor at all, where every grad is None, keeps its flag output: a
     # compiler places a call by its tensors' device)
-    flags = kind != ops.TENSOR_PRE_HOOKS or all(t is None for t in tensors)
+    flags = kind != TENSOR_PRE_HOOKS or all(t is None for t in tensors)
     outs, flag = t._call(kind, idx, [v.t if v is not None else None for v in every], metas, flags=flags, values=every, keeps=True)
     result, k = [], 0
     for o, v in zip(outs, values):
@@ -32,19 +37,39 @@ def call(t, kind, idx, values: list, extra=()):
             result.append(None)
             continue
         if not flags:
-            result.append(_Value(o, v.bits, exact=True))
+            result.append(Value(o, v.bits, exact=True))
             continue
         if flag is None:  # (run for real: what came back is defined; capture/resume.py)
-            result.append(_Value(o))
+            result.append(Value(o))
             continue
         if v.bits is None:
             bits = ((flag, k),)
         else:  # defined iff (any of v's flags) and this one
             bits = ((torch.logical_and(t._defined(v.bits), flag[k]).reshape(1), 0),)
-        result.append(_Value(o, bits, exact=True))
+        result.append(Value(o, bits, exact=True))
         k += 1
     return result
 
 
 def post_hooks(t, idx, outputs, inputs):
-    return call(t, ops.POST_HOOKS, idx, outputs, inputs)
+    return call(t, POST_HOOKS, idx, outputs, inputs)
+
+
+def _run_tensor_pre(capture, node, args, mask, metas, hooks, steal):
+    return capture.call_tensor_pre_hooks(node, args)
+
+
+def _run_pre(capture, node, args, mask, metas, hooks, steal):
+    return capture.call_pre_hooks(node, args)
+
+
+def _run_post(capture, node, args, mask, metas, hooks, steal):
+    n = len(mask)
+    return capture.call_post_hooks(node, args[:n], args[n:])
+
+
+SLOT_KINDS = (
+    SlotKind(TENSOR_PRE_HOOKS, FAMILY, _run_tensor_pre, CallHow.TENSOR_PRE_HOOKS, stage=0, resumable=True),
+    SlotKind(PRE_HOOKS, FAMILY, _run_pre, CallHow.PRE_HOOKS, stage=1, resumable=True),
+    SlotKind(POST_HOOKS, FAMILY, _run_post, CallHow.POST_HOOKS, stage=2, completes_node=True, resumable=True),
+)

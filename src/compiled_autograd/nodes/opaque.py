@@ -1,14 +1,17 @@
 """Opaque nodes: run as is inside the graph, one compiled_autograd::call each (C++ custom
 Functions, what cannot be traced, what enable(opaque=...) names); their outputs laid out as an
-eager backward showed (NOTE [Layouts of call outputs], replay/calls.py)."""
+eager backward showed (NOTE [Layouts of call outputs], calls/kernel.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from ..capture.grads import _Value
-from ..replay import calls as ops
+from ..values import CallHow, NodeFamily, NodeKind, OutputMeta, SlotKind
 from . import compiled_region
+from .grads import Value
+
+FAMILY = "opaque"
+NODE = "node"  # the node itself, run as is
 
 
 def is_opaque(t, idx) -> bool:
@@ -47,20 +50,35 @@ def trace(t, idx, values):
         md = t.capture.input_metadata(to)[nr] if to >= 0 else None
         if md is not None:
             # the output's shape, symbolic where the edge's metadata sizes are; laid out
-            # as an eager backward showed (NOTE [Layouts of call outputs], replay/calls.py)
+            # as an eager backward showed (NOTE [Layouts of call outputs], calls/kernel.py)
             shape, dtype, device = md
             dims = [v if t.sym_sizes[pos + d] is None else t.sym_sizes[pos + d] for d, v in enumerate(shape)]
-            m = t._seen_layout(ops.OutputMeta.dense(dims, dtype, torch.device(device)), t.layouts.get(("node", idx, k)))
+            m = t._seen_layout(OutputMeta.dense(dims, dtype, torch.device(device)), t.layouts.get(("node", idx, k)))
         metas.append(m)
     tensors = [v.t if v is not None else None for v in values]
-    outs, flag = t._call(ops.NODE, idx, tensors, metas, flags=True, values=values)
+    outs, flag = t._call(NODE, idx, tensors, metas, flags=True, values=values)
     result, k = [], 0
     for o in outs:
         if o is None:
             result.append(None)
         elif flag is None:  # (run for real: what came back is defined; capture/resume.py)
-            result.append(_Value(o))
+            result.append(Value(o))
         else:
-            result.append(_Value(o, ((flag, k),), exact=True))
+            result.append(Value(o, ((flag, k),), exact=True))
             k += 1
     return result
+
+
+def _run(capture, node, args, mask, metas, hooks, steal):
+    return capture.call_node(node, args)
+
+
+# a grad it returns where the trace had None goes nowhere: its edge is not in the graph
+SLOT_KINDS = (SlotKind(NODE, FAMILY, _run, CallHow.NODE, stage=2, resumable=True, new_grads_go_nowhere=True),)
+
+
+def _trace_node(t, idx, values, args):
+    return trace(t, idx, values)
+
+
+ROW = NodeFamily(FAMILY, NodeKind.OPAQUE, _trace_node)

@@ -29,7 +29,7 @@ the saved variable's hooks wrapped so that what each returns is reported
 (NOTE [Handing unpacked tensors to their saved variables], native helper).
 What it returned is remembered under the graph's native key, its sizes, the
 tensor's position, the hook's code and the shapes of the tensors in the
-packed value (`_packed_meta`). Every later backward of the same graph and
+packed value (`packed_meta`). Every later backward of the same graph and
 sizes predicts the same metadata, is traced (or hits) with each tensor
 unpacked in the graph when its node runs, as eager does: offloading and
 compression keep their memory saving from the first backward on, and a
@@ -44,22 +44,22 @@ rule only: the unpacked tensor has the shape of the one tensor in the packed
 value that had its shape (offloading and compression keep the shape), with the
 dtype and device it had. A rule seen to hold at two different sizes of the same
 graph, position, hook and packed structure (ranks, dtypes, devices) predicts the
-tensor at any other sizes (`_Learned.by_rule`; sizes or packed shapes, as an
+tensor at any other sizes (nodes/learned.py `UnpackMetas.by_rule`; sizes or packed shapes, as an
 index_fill's index length is not a size of the graph); it is checked at replay
 as any prediction is, and dropped for good when it fails.
 """
 
 from __future__ import annotations
 
-import functools
-import threading
-from typing import NamedTuple
 
 import torch
 
-from ..walk.state import _closure, _nested_code
+from ..values import SlotKind
+from .learned import LEARNED
+from .state import _closure, _nested_code
 
-from ..values import UNPACK
+FAMILY = "saved-tensor hooks"
+UNPACK = "unpack"  # a saved tensor's unpack hook (NOTE [Unpacking in the graph])
 
 
 def unpack_in_graph(t, hid: int):
@@ -90,26 +90,15 @@ class Learn:
 
     def report(self, i, t) -> None:
         self.reported.add(i)
-        if LEARNED.learn(self.keys[i], t) is None:
-            LEARNED.mark_unpredictable(self.keys[i])
+        if LEARNED.unpacks.learn(self.keys[i], t) is None:
+            LEARNED.unpacks.mark_unpredictable(self.keys[i])
 
     def finish(self) -> None:
         """After the backward: a tensor eager did not unpack (its node's formula did not need
         it) gives nothing to learn; it is unpacked when the backward starts from then on."""
         for i, key in self.keys.items():
             if i not in self.reported:
-                LEARNED.mark_unpredictable(key)
-
-
-@functools.cache
-class LearnKey(NamedTuple):
-    """Where a hooked saved tensor's unpacked metadata is learned and looked up (NOTE [Unpack
-    metadata learned from the last backward])."""
-
-    graph: tuple  # (a digest of the graph's native key, its sizes)
-    position: int  # among the saved tensors with hooks
-    code: object  # the unpack hook's code
-    packed: object  # what the packed value shows of its tensors (_packed_meta)
+                LEARNED.unpacks.mark_unpredictable(key)
 
 
 def _known_unpack_hooks():
@@ -122,7 +111,7 @@ def _known_unpack_hooks():
     )
 
 
-class _Predictor:
+class Predictor:
     """What an unpack hook will return, (shape, dtype, device), for the hooks
     whose result is known from what was packed (NOTE [Unpacking in the graph]);
     None for any other."""
@@ -167,7 +156,7 @@ class _Predictor:
         return tuple(meta["shape"]), meta["dtype"], meta["device"], None  # (its layout is learned)
 
 
-def _packed_meta(packed):
+def packed_meta(packed):
     """What a packed value shows of its tensors (shape, dtype, device): part of the learned
     key, so that a saved tensor packed with another shape, where nothing else in the graph
     changed (index_fill's index), is not predicted from the last one (a hook that packs a
@@ -176,156 +165,13 @@ def _packed_meta(packed):
     if isinstance(packed, torch.Tensor):
         return (tuple(packed.shape), packed.dtype, packed.device)
     if isinstance(packed, (tuple, list)):
-        return tuple(_packed_meta(p) if isinstance(p, torch.Tensor) else type(p) for p in packed)
+        return tuple(packed_meta(p) if isinstance(p, torch.Tensor) else type(p) for p in packed)
     return type(packed)
 
 
-def _without_shapes(packed_meta):
-    """_packed_meta's structure without its shapes: each tensor's rank, dtype and device."""
-    if isinstance(packed_meta, tuple) and len(packed_meta) == 3 and isinstance(packed_meta[1], torch.dtype):
-        shape, dtype, device = packed_meta
-        return (len(shape), dtype, device)
-    if isinstance(packed_meta, tuple):
-        return tuple(_without_shapes(p) for p in packed_meta)
-    return packed_meta
-
-
-def _packed_shapes(packed_meta) -> list:
-    """The shapes of the tensors in a _packed_meta, in order."""
-    if isinstance(packed_meta, tuple) and len(packed_meta) == 3 and isinstance(packed_meta[1], torch.dtype):
-        return [packed_meta[0]]
-    if isinstance(packed_meta, tuple):
-        return [s for p in packed_meta for s in _packed_shapes(p)]
-    return []
-
-
-def _hook_code(hook):
+def hook_code(hook):
     fn = getattr(hook, "__func__", hook)
     return getattr(fn, "__code__", None) or type(hook)
-
-
-_NO_RULE = (-1, None, None, None)  # _Learned.rules: none holds, or one failed
-
-
-class _Learned:
-    """NOTE [Unpack metadata learned from the last backward]: (shape, dtype, device) of
-    what an unpack hook returned, by (graph's native key and sizes, position, hook code)."""
-
-    LIMIT = 1 << 17  # entries (one per hooked tensor): a graph with more than this is never compiled
-
-    def __init__(self):
-        self.metas: dict = {}
-        self.unpredictable: dict = {}
-        # the size-free rules (NOTE above): rule key -> (packed tensor position, dtype, device,
-        # the (sizes, packed shapes) it held at: it predicts once there are two; None: it failed)
-        self.rules: dict = {}
-        self.orders: dict = {}  # rule key -> the dim order of what the hook returned last
-        self.lock = threading.Lock()
-
-    def get(self, key):
-        return self.metas.get(key)
-
-    @staticmethod
-    def _rule_key(key):
-        """A learned key without sizes: the graph's digest, position, hook code, and the packed
-        value's structure (its tensors' ranks, dtypes and devices)."""
-        (digest, _sizes), i, code, packed = key.graph, key.position, key.code, key.packed
-        return (digest, i, code, _without_shapes(packed))
-
-    def by_rule(self, key):
-        """The metadata a confirmed rule predicts for `key` (sizes not seen before), or None."""
-        rule = self.rules.get(self._rule_key(key))
-        if rule is None or rule[3] is None or len(rule[3]) < 2:
-            return None
-        k, dtype, device, _ = rule
-        shapes = _packed_shapes(key.packed)
-        if k >= len(shapes):
-            return None
-        meta = (shapes[k], dtype, device, self.orders.get(self._rule_key(key)) or tuple(range(len(shapes[k]))))
-        with self.lock:  # these sizes' next backward finds it directly (checked at replay as any)
-            if len(self.metas) >= self.LIMIT:
-                self.metas.pop(next(iter(self.metas)))
-            self.metas[key] = meta
-        return meta
-
-    def learn(self, key, t):
-        """Remember what the hook returned; None if it cannot be predicted."""
-        if key in self.unpredictable or type(t) is not torch.Tensor or t.layout != torch.strided:
-            return None
-        from ..values import dense_order
-
-        order = dense_order(t) or tuple(range(t.dim()))  # (not dense: copied into this at replay)
-        meta = (tuple(t.shape), t.dtype, t.device, order)
-        with self.lock:
-            if len(self.metas) >= self.LIMIT:
-                self.metas.pop(next(iter(self.metas)))
-            self.metas[key] = meta
-            self._learn_rule(key, meta[:3])
-            rk = self._rule_key(key)
-            if len(self.orders) >= self.LIMIT and rk not in self.orders:
-                self.orders.pop(next(iter(self.orders)))
-            self.orders[rk] = order
-        return meta
-
-    def order(self, key):
-        """The layout a hook at this graph's position returned last (at any sizes), or None."""
-        return self.orders.get(self._rule_key(key))
-
-    def _learn_rule(self, key, meta) -> None:
-        shape, dtype, device = meta
-        same = [k for k, s in enumerate(_packed_shapes(key.packed)) if s == shape]
-        rk = self._rule_key(key)
-        rule = self.rules.get(rk)
-        if rule is not None and rule[3] is None:
-            return  # failed once: never again
-        if len(same) != 1 or (rule is not None and rule[:3] != (same[0], dtype, device)):
-            self._set_rule(rk, _NO_RULE)  # ambiguous, or not the rule it was
-            return
-        seen = rule[3] if rule is not None else frozenset()
-        self._set_rule(rk, (same[0], dtype, device, seen | {(key.graph[1], key.packed)}))
-
-    def _set_rule(self, rk, rule) -> None:
-        if len(self.rules) >= self.LIMIT and rk not in self.rules:
-            self.rules.pop(next(iter(self.rules)))
-        self.rules[rk] = rule
-
-    def is_unpredictable(self, key) -> bool:
-        return key in self.unpredictable
-
-    def mark_unpredictable(self, key) -> None:
-        with self.lock:
-            self.metas.pop(key, None)
-            self._set_rule(self._rule_key(key), _NO_RULE)
-            if len(self.unpredictable) >= self.LIMIT:
-                self.unpredictable.pop(next(iter(self.unpredictable)))
-            self.unpredictable[key] = True
-
-    def check(self, key, t, shape, dtype, device) -> None:
-        """At replay: what the hook returned against the prediction."""
-        if isinstance(t, torch.Tensor) and list(t.shape) == list(shape) and t.dtype == dtype and t.device == device:
-            return
-        self.mark_unpredictable(key)
-        with self.lock:  # the graph's other hooks may have changed too: the next backward learns again
-            for k in [k for k in self.metas if k.graph == key.graph]:
-                del self.metas[k]
-        got = f"{tuple(t.shape)}/{t.dtype}/{t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-        raise RuntimeError(
-            f"compiled_autograd: the unpack hook of a saved tensor returned {got}, where the previous "
-            f"backward of this graph got {tuple(shape)}/{dtype}/{device}; the graph, traced with that, "
-            "unpacks it when its node runs, as eager does (NOTE [Unpack metadata learned from the last "
-            "backward]). From the next backward on this tensor is unpacked when the backward starts, and "
-            "the next one learns again what the graph's other hooks return"
-        )
-
-    def clear(self):
-        with self.lock:
-            self.metas.clear()
-            self.unpredictable.clear()
-            self.rules.clear()
-            self.orders.clear()
-
-
-LEARNED = _Learned()
 
 
 def unpack(hook, packed):
@@ -335,3 +181,28 @@ def unpack(hook, packed):
             f"Output of saved tensor unpack_hook expected to be a Tensor but got result of type {type(t)}"
         )
     return t
+
+
+def _run(capture, node, args, mask, metas, hooks, steal):
+    """An UNPACK call: the hook of hooked saved tensor `node`, once (NOTE [Unpacking in the
+    graph]); what it returns is checked against what was learned (NOTE [Unpack metadata
+    learned from the last backward])."""
+    pair, hooks[node] = hooks[node], None  # unpacked once, as eager does: the packed value can go
+    if pair is None:
+        raise RuntimeError("compiled_autograd: a saved tensor was unpacked twice by one graph")
+    hook, packed, learned = pair
+    del pair
+    outs = [unpack(hook, packed)]
+    del hook, packed
+    if learned is not None:
+        expected = metas[0]
+        LEARNED.unpacks.check(learned, outs[0], expected.shape, expected.dtype, expected.device)
+    return outs
+
+
+# its arguments only order it (what must be computed before it); its output, a tensor the
+# hook made, has no grad of a node in it
+SLOT_KINDS = (
+    SlotKind(UNPACK, FAMILY, _run, reads_saved=False, shares_args=False, ordering_args=True, new_grads_go_nowhere=True,
+             what="the unpack hook of a saved tensor"),
+)

@@ -1,9 +1,6 @@
-"""Why each graph was captured: the capture log `explain()` prints, and the reasons it gives."""
+"""Why each graph was captured: the capture log `explain()` prints, and what it says of a capture."""
 
 from __future__ import annotations
-
-from ..cache.memory import CACHE
-
 
 _capture_log: list[dict] = []
 
@@ -27,33 +24,6 @@ def log_capture(record: dict) -> dict:
 def node_keys(capture) -> tuple:
     key, offsets = capture.key(), capture.node_key_offsets()
     return tuple(key[a:b] for a, b in zip(offsets, offsets[1:])) + (key[offsets[-1]:] if offsets else key,)
-
-
-def new_key_reason(collected) -> str:
-    """Why a key is new: the first node whose part of the key differs from the
-    nearest cached graph with the same nodes, or that the nodes differ."""
-    entries = CACHE.entries()
-    if not entries:
-        return "first backward"
-    names = tuple(n.name for n in collected.nodes)
-    same = [e for e in entries if e.node_names == names]
-    if not same:
-        return "new graph structure (nodes differ from every cached graph)"
-    mine = node_keys(collected.capture)
-    best = None
-    for e in same:
-        diff = [i for i, (a, b) in enumerate(zip(mine, e.node_keys)) if a != b]
-        if best is None or len(diff) < len(best):
-            best = diff
-    if not best:
-        return "same nodes as a cached graph; custom Function state, saved-tensor hooks or backend options differ"
-    i = best[0]
-    if i == len(names):
-        what = "the lifted tensors' dtype, device, layout or requires_grad"
-    else:
-        what = f"node #{i} {names[i]}: a saved constant, hook count or the metadata of its edges"
-    more = f" (and {len(best) - 1} more)" if len(best) > 1 else ""
-    return f"same nodes as a cached graph, but {what} differ{more}"
 
 
 def describe_dynamic(collected, dynamic) -> list[str]:

@@ -1,4 +1,5 @@
-"""Seeing what happened: why each capture exists and what fell back."""
+"""Seeing what happened: why each capture exists and what fell back (api.py hands in the cached
+entries: `ca.explain()`, `ca.dump(path)`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ import re
 import sys
 from collections import Counter
 
-from ..cache.memory import CACHE
-from ..values import NodeKind
+from ..nodes import FAMILIES
 from .captures import capture_log
 from .stats import LOCK, STATS
 
@@ -20,11 +20,12 @@ class Report(str):
         return f"<compiled_autograd report: {self.count(chr(10)) + 1} lines, printed>"
 
 
-def explain(file=sys.stdout) -> Report:
+def explain(entries: list, file=sys.stdout, compiles=()) -> Report:
     """Print a readable report -- counters, one line per capture with its reason, why
-    backwards ran in eager and nodes ran opaquely -- to `file` (None: print nothing), and
-    return its text."""
-    text = Report(_report())
+    backwards ran in eager and nodes ran opaquely, the background compiles (`compiles`: lines
+    compile/background.py's report() wrote), the cached graphs (`entries`) -- to `file` (None:
+    print nothing), and return its text."""
+    text = Report(_report(entries, compiles))
     if file is not None:
         print(text, file=file)
     return text
@@ -40,7 +41,7 @@ MAX_LINE = 240  # characters of one line
 MAX_GUARDS = 2  # guards quoted of a dynamic graph's
 
 
-def _report() -> str:
+def _report(entries: list, compiles=()) -> str:
     with LOCK:
         s = STATS.snapshot()
     lines = [f"compiled_autograd: {s}"]
@@ -88,27 +89,11 @@ def _report() -> str:
         lines.append(f"  opaque node runs x{n}: {kind}")
     for detail, n in s.opaque_details.most_common(MAX_ITEMS):
         lines.append(f"    x{n}: {detail}")
-    lines.extend(_compiles(s))
-    lines.append(f"  cached graphs: {len(CACHE)}")
+    lines.extend(f"  {line}" for line in compiles)
+    if not compiles and s.compiles_pending:
+        lines.append(f"  background compiles pending: {s.compiles_pending}")
+    lines.append(f"  cached graphs: {len(entries)}")
     return "\n".join(_clip(line) for line in lines)
-
-
-def _compiles(s) -> list:
-    """The background compile running now, and those left to finish after an exit (NOTE [The
-    compile's share of a busy machine], NOTE [A compile finished after exit])."""
-    from ..compile import child, share
-
-    out = []
-    running = share.current()
-    if running is not None:
-        out.append(f"  background compile: {running.summary()}")
-        out.append(f"    {share.advice()}")
-    elif s.compiles_pending:
-        out.append(f"  background compiles pending: {s.compiles_pending}")
-    if child.left_after_exit:
-        out.append(f"  compiles left to finish after exit: {len(child.left_after_exit)} (for up to "
-                   f"{child.FINISH_AFTER_EXIT:.0f} s; COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0: stopped at exit)")
-    return out
 
 
 def _clip(line: str) -> str:
@@ -131,24 +116,16 @@ def summarise_guards(source: str | None) -> str:
     return f"{len(guards)} over {len(sizes)} input sizes, first: {quoted}; all of them: ca.dump(path), graph_<i>.txt"
 
 
-def graphs():
-    """The cached compiled backwards (each has `.graph`, an FX GraphModule)."""
-    return CACHE.entries()
-
-
 # -- dump ----------------------------------------------------------------------------
 
-_KIND = {0: "node", 1: "AccumulateGrad", 2: "custom Function", 3: "opaque"}
-
-
-def dump(path) -> list[str]:
-    """Write every cached graph to `path`: the captured FX graph as readable
+def dump(entries: list, path) -> list[str]:
+    """Write every cached graph (`entries`) to `path`: the captured FX graph as readable
     Python with shapes (graph_<i>.py), how it was captured (graph_<i>.txt),
     and a picture of the backward graph (graph_<i>.svg, plus .dot) with node
     kinds, opaque nodes and hooks marked. Returns the files written."""
     os.makedirs(path, exist_ok=True)
     written = []
-    for i, e in enumerate(CACHE.entries()):
+    for i, e in enumerate(entries):
         base = os.path.join(path, f"graph_{i}")
         with open(base + ".py", "w") as f:
             f.write(f"# compiled_autograd graph {i}: {len(e.node_names)} autograd nodes, backend {e.backend}\n")
@@ -197,7 +174,7 @@ def _color(n):
         return "#f4b183"
     if any(n.hooks):
         return "#ffe699"
-    return {NodeKind.ACCUMULATE: "#c5e0b4", NodeKind.PYNODE: "#bdd7ee"}.get(n.kind, "#ffffff")
+    return FAMILIES[n.kind].color
 
 
 def _dot(e) -> str:

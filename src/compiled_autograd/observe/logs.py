@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
+
+from ..config import LOG
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
@@ -15,7 +16,7 @@ def configure_logging() -> None:
     """COMPILED_AUTOGRAD_LOG=info|debug sends the `compiled_autograd` logger to
     stderr (quiet by default; `logging.getLogger("compiled_autograd")` works
     as usual too)."""
-    level = os.environ.get("COMPILED_AUTOGRAD_LOG", "").strip().lower()
+    level = LOG.read().strip().lower()
     if not level:
         return
     if level not in _LEVELS:

@@ -39,7 +39,7 @@ class Stats:
                      (NOTE [Recording on the real tensors] in capture/record.py)
     live_refusals:   captures a live record refused, traced on fakes instead
     layout_copies:   outputs of hooks, opaque nodes and unpack hooks copied into the layout
-                     the graph was traced with (NOTE [Layouts of call outputs] in replay/calls.py)
+                     the graph was traced with (NOTE [Layouts of call outputs] in calls/kernel.py)
     layout_resumes:  first backwards of a graph in which a call returned another layout than
                      traced, finished in eager's order from that call, bitwise (NOTE [A call output
                      in another layout on a graph's first run] in capture/resume.py)

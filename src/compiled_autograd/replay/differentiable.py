@@ -10,7 +10,7 @@ import torch.fx as fx
 from .validate import backend_output_error, mismatches
 
 
-def _vjp(outs, cts, wrt, create: bool):
+def engine_vjp(outs, cts, wrt, create: bool):
     """Eager's engine itself (not torch.autograd's routed global): this may run
     while a backward that contains it is traced."""
     return torch.autograd.graph._engine_run_backward(
@@ -93,7 +93,7 @@ class DifferentiableGraph(torch.autograd.Function):
             pairs = [(o, c) for o, c, d in zip(outs, cts, ctx.differentiable) if d and c is not None and o.requires_grad]
             if not pairs:
                 return (None, None, *grads)
-            got = _vjp([o for o, _ in pairs], [c for _, c in pairs], [prims[i] for i in wrt], create)
+            got = engine_vjp([o for o, _ in pairs], [c for _, c in pairs], [prims[i] for i in wrt], create)
         for i, g in zip(wrt, got):
             grads[i] = g
         return (None, None, *grads)

@@ -7,11 +7,12 @@ import gc
 
 import torch
 
-from ..cache.memory import CACHE, CompiledBackward
-from ..walk.state import read_state, state_reads
-from . import calls
+from ..calls import kernel
+from ..calls.graph_task import in_graph_task
+from ..nodes import SLOT_KINDS
+from ..nodes.state import read_state, state_reads
 from .differentiable import DifferentiableGraph
-from .graph_task import in_graph_task
+from .entries import CACHE, CompiledBackward
 from .validate import backend_output_error, mismatches
 
 
@@ -26,9 +27,9 @@ def run_graph(entry: CompiledBackward, capture, lifted, extra, hooks, releases=(
         return _fresh_leaves(outs, entry.plan.differentiable)
     args = list(lifted) + extra if extra else lifted
 
-    # NOTE [Stealing a fresh grad] (replay/calls.py): the storages of the graph's inputs, which a
+    # NOTE [Stealing a fresh grad] (nodes/accumulate.py): the storages of the graph's inputs, which a
     # stolen grad must not share (a compiler may turn a no-op on an input into the input)
-    steal = calls.input_storages(args) if entry.steals and entry.plan.steals else None
+    steal = kernel.input_storages(args) if entry.steals and entry.plan.steals else None
 
     # NOTE [Hooks may change what the graph reads]: the versions of the saved tensors that
     # calls check, as the backward starts (the collect checked them against the nodes')
@@ -44,7 +45,7 @@ def run_graph(entry: CompiledBackward, capture, lifted, extra, hooks, releases=(
 
     def run():
         after = entry.plan.release_after if releases else None
-        frame = calls.replaying(capture, entry.plan.slots, hooks, steal, entry.steals, versions, ctx, after, observed,
+        frame = kernel.replaying(capture, entry.plan.slots, hooks, steal, entry.steals, versions, ctx, after, observed,
                                 getattr(first_run, "resumable", None))
         try:
             with frame, torch.no_grad():
@@ -91,7 +92,7 @@ def release_completed(capture, plan, slot) -> None:
     if slot is None:
         return
     s = plan.slots[slot]
-    capture.release_nodes(list(range(s.at + (1 if s.completes_node else 0))))
+    capture.release_nodes(list(range(s.at + (1 if SLOT_KINDS[s.kind].completes_node else 0))))
 
 
 def check_outputs(key, entry: CompiledBackward, capture, results: list, sizes: tuple) -> None:

@@ -11,7 +11,7 @@ So each compiled function's first run -- right after its compile, and right
 after a background compile swapped it in -- has its outputs compared with the
 traced graph's (the output node's `meta['val']`, recorded before the backend
 saw the graph: a backend may rewrite it), before anything is applied; a
-mismatch raises (runtime.BackendOutputError) and the graph leaves the cache.
+mismatch raises (errors.BackendOutputError) and the graph leaves the cache.
 Later runs of that function (cache hits) are not checked: one flag on the entry.
 A dynamic graph's symbolic sizes are evaluated with this backward's sizes (each
 symbol is bound to the size position of a graph input that carries it); a size

@@ -19,108 +19,17 @@ node. This module adds what only Python can see:
 
 from __future__ import annotations
 
-import functools
 import hashlib
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
 
 import torch
 
 from ..errors import Unkeyable
-from ..nodes.function import _collect_pynode, kept_indices
-from ..nodes.saved_tensors import LEARNED, Learn, LearnKey, _hook_code, _packed_meta, _Predictor, unpack
-from ..replay.graph_task import in_graph_task
-from ..values import GraphKey, NodeKind, NodeRow
+from ..nodes.function import collect_pynode, kept_indices
+from ..nodes.learned import LEARNED, LearnKey
+from ..nodes.saved_tensors import Learn, Predictor, hook_code, packed_meta, unpack
+from ..calls.graph_task import in_graph_task
+from ..values import Collected, GraphKey, InGraph
 
-PYNODE_KIND = NodeKind.PYNODE
-
-
-@dataclass
-class Collected:
-    """One backward's graph: `key` (structure, constants, tensor metadata and
-    layouts) and `sizes` (the node SymInts, then each lifted tensor's dims)
-    together identify a static graph; a dynamic graph matches `key`, the
-    sizes it keeps static, and its guards."""
-
-    capture: Any
-    key: tuple
-    sizes: tuple
-    n_size_inputs: int
-    lifted: list
-    n_native: int
-    unpacked: tuple  # per hooked saved tensor: its lifted index (unpacked up front), or -1 when unpacked in the graph
-    pynodes: dict = field(default_factory=dict)
-    hooks: list = field(default_factory=list)  # (unpack_hook, packed, learned key or None) per hooked saved tensor
-    in_graph: tuple = ()  # an InGraph per saved tensor unpacked in the graph
-    grad_on_ctx: bool = False  # a leaf's .grad, accumulated into by this backward, is kept on ctx
-
-    # ints saved by torch.compile'd regions for their inlined backwards, and sizes kept on custom
-    # Functions' ctx (NOTE [Sizes kept on ctx]), in `sizes` before those shapes
-    n_aot: int = 0
-
-    @property
-    def in_graph_start(self) -> int:
-        """Where the shapes of the tensors unpacked in the graph start in `sizes` (they end it)."""
-        return len(self.sizes) - sum(u.dim for u in self.in_graph)
-
-    @property
-    def aot_start(self) -> int:
-        """Where the ints of the inlined AOTAutograd backwards start in `sizes`."""
-        return self.in_graph_start - self.n_aot
-
-    @property
-    def up_front(self) -> list:
-        """The lifted index of every tensor unpacked when the backward started."""
-        return [i for i in self.unpacked if i >= 0]
-
-    @functools.cached_property
-    def tensor_positions(self) -> tuple:
-        """For each lifted tensor, where its geometry sits in `sizes`: (start, dim, strides
-        included); then comes its storage offset."""
-        out, pos = [], self.n_size_inputs
-        for t in self.lifted:
-            with_strides = not isinstance(layout_signature(t), str)
-            out.append((pos, t.dim(), with_strides))
-            pos += t.dim() * (2 if with_strides else 1) + 1
-        return tuple(out)
-
-    @functools.cached_property
-    def arriving(self) -> frozenset:
-        """The lifted indices of tensors whose storage is empty now and gets its data from a
-        hook before their node runs (NOTE [Tensors whose data arrives during the backward])."""
-        return frozenset(i for i, t in enumerate(self.lifted) if _arrives(t))
-
-    @functools.cached_property
-    def nodes(self) -> tuple:
-        """A NodeRow per node, in the engine's order."""
-        return NodeRow.rows(self.capture)
-
-
-def _arrives(t) -> bool:
-    """A tensor with elements whose storage holds none (the native helper keys it as such)."""
-    return isinstance(t, torch.Tensor) and t.numel() > 0 and not t._is_zerotensor() and t.untyped_storage().nbytes() == 0
-
-
-class InGraph(NamedTuple):
-    """A saved tensor unpacked inside the graph, at its node (NOTE [Unpacking in the graph])."""
-
-    hid: int  # its position among the saved tensors with hooks
-    dtype: torch.dtype
-    device: torch.device
-    dim: int  # its shape is in the sizes vector (Collected.in_graph_start on)
-    order: tuple  # its dims from outermost to innermost in memory (ops.OutputMeta.dense)
-
-
-def layout_signature(t: torch.Tensor):
-    """What a tensor's strides are, as far as the key is concerned: 'C' or
-    channels-last when they follow from its sizes, else the strides."""
-    if t.is_contiguous():
-        return "C"
-    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
-        return "L"
-    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
-        return "M"
-    return t.stride()
 
 
 class _Lifter:
@@ -194,25 +103,25 @@ def collect(capture, run_unpack_hooks: bool = True, keep_graph: bool = True) -> 
 
 
 def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collected | Learn:
-    predict = _Predictor()
+    predict = Predictor()
     metas, learn, native_key = [], {}, None
     for i, (hook, packed) in enumerate(saved_hooks):
         meta, learned = predict(hook, packed), None
         if meta is None or meta[3] is None:
             if native_key is None:  # (a digest: the table must not hold every graph's key)
                 native_key = (hashlib.blake2b(capture.key(), digest_size=16).digest(), tuple(capture.sizes()))
-            learned = LearnKey(native_key, i, _hook_code(hook), _packed_meta(packed))
+            learned = LearnKey(native_key, i, hook_code(hook), packed_meta(packed))
         if meta is not None and meta[3] is None:
             # a checkpoint's recomputed tensor: its layout is learned (NOTE [Layouts of call
-            # outputs], replay/calls.py), from an eager backward when no backward showed it yet
-            order = LEARNED.order(learned)
-            if order is None and not LEARNED.is_unpredictable(learned):
+            # outputs], calls/kernel.py), from an eager backward when no backward showed it yet
+            order = LEARNED.unpacks.order(learned)
+            if order is None and not LEARNED.unpacks.is_unpredictable(learned):
                 learn[i] = learned
             meta, learned = (*meta[:3], order or tuple(range(len(meta[0])))), None
         elif meta is None:
-            meta = LEARNED.get(learned)
-            if meta is None and not LEARNED.is_unpredictable(learned):
-                meta = LEARNED.by_rule(learned)
+            meta = LEARNED.unpacks.get(learned)
+            if meta is None and not LEARNED.unpacks.is_unpredictable(learned):
+                meta = LEARNED.unpacks.by_rule(learned)
                 if meta is None:
                     learn[i] = learned
         metas.append((meta, learned))
@@ -237,7 +146,7 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
     pykeys = []
     pynodes = {}
     for idx in pynode_indices:
-        k, info = _collect_pynode(capture, idx, lift, keep_graph)
+        k, info = collect_pynode(capture, idx, lift, keep_graph)
         pykeys.append((idx, k))
         pynodes[idx] = info
     grad_on_ctx = _grad_on_ctx(capture, pynodes, lifted)

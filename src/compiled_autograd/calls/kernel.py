@@ -1,0 +1,453 @@
+"""The kernel of `compiled_autograd::call` (NOTE [Opaque calls] in calls/__init__.py): one
+call of a replayed graph, run as its slot kind's row says (nodes/__init__.py SLOT_KINDS), with
+its outputs conformed to what the graph was traced with; and the frame of a running graph.
+
+NOTE [Layouts of call outputs]
+The trace decides each call output's strides before anything runs (make_fx turns
+a formula's `reshape` into a `view` on the strides it sees), so what a hook, an
+opaque node or an unpack hook returns in another layout must be copied into the
+traced one. The values are the same, but a kernel after it may sum in another
+order than eager's on the tensor eager passed on (a bias grad `g.sum(0)` of a
+transposed grad: 1e-6 off), so with eager's kernels the result is no longer
+bitwise eager's. So each output is traced in the layout it will most likely have,
+always dense (a permutation of a contiguous tensor: a copy into it is exact):
+  * a hook's result: its grad's layout (as `empty_like` lays it out); a hook that
+    returns its grad, or computes on it elementwise, keeps it;
+  * an unpack hook's: `save_on_cpu` unpacks its contiguous copy; what a checkpoint
+    recomputes, or another hook returns, is learned from an eager backward of the
+    graph, as its shape is (NOTE [Unpack metadata learned from the last backward],
+    nodes/saved_tensors.py), and kept per graph position for other sizes;
+  * an opaque node's: contiguous.
+At replay, an output in another layout is copied into the traced one
+(`stats().layout_copies`), and the dense layout it had is remembered for its
+graph and call (nodes/learned.py LEARNED.layouts): that graph is dropped and the next
+backward captures again in those layouts, after which it is bitwise eager's again
+(a few times per graph at most: a hook whose layout changes every step keeps its
+graph and its copies). On a graph's first run the copy is not made: the run stops
+at that call and the backward goes on in eager's order from it (NOTE [A call
+output in another layout on a graph's first run], capture/resume.py). So only a
+backward in which a hook's layout changed after its graph's first run may differ
+from eager in the last bits, counted.
+
+NOTE [Outputs the graph owns]
+A compiler may treat an operator's outputs as its own buffers: inductor reuses
+a dead one in place (`buf3 = buf2; del buf2  # reuse`, then a kernel writes
+into buf3). What a hook or node returns may be memory someone else still
+holds: the hook's input, a tensor its closure keeps, a saved tensor, another
+view of a storage. Writing into it would change the user's tensor and, on the
+next backward, the gradients. So an output is handed to the graph as is only
+when nothing but the call's result refers to it (one Python reference, one
+TensorImpl reference, one tensor on its storage); otherwise it is copied.
+One exception, the common one: a hook that returns its grad unchanged (a
+logging hook returning None, a module hook passing grads through) gives back
+the call's own input. When nothing else in the graph reads that input
+(`Slot.shared`) and the compiled code never writes into a call's inputs (the
+eager graph and aot_eager run functional ops; our inductor lowering keeps the
+inputs of a KEEPS_INPUTS call from reuse), the output is that input: no copy.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Optional
+
+import torch
+
+from ..errors import ResumeHere
+from ..nodes import SLOT_KINDS
+from ..values import observed_layout
+from .checks import _check_ctx, _check_versions, _hooks_added_error, _shared_modified_error, _still_empty_error
+from .protocol import DEFINEDNESS, DTYPES, DEVICE_TYPES, KEEPS_INPUTS, PASSES_SHIFT, ReplayFrame, decode_meta
+
+
+class _Replay(threading.local):
+    def __init__(self):
+        self.stack: list = []  # (capture, slots, autograd keys excluded, hooks, steal, keep) of the backwards running on this thread
+        self.tasks: list = []  # the graph task id each of them runs its calls in
+        self.last: list = []  # the slot of the last call each of them ran (None: none yet)
+        # the slots at which each of them may stop, on a graph's first run (NOTE [A call output
+        # in another layout on a graph's first run], capture/resume.py)
+        self.resumable: list = []
+
+
+_replay = _Replay()
+
+
+# A custom op's kernel runs below autograd (the autograd dispatch keys are
+# excluded), and a dispatch mode's handler that calls the op again runs with more
+# keys excluded (AOTAutograd's first-call aliasing check: Conjugate, Negative,
+# ZeroTensor...; a hook's `conj()` was a no-op there). Hooks and nodes we call
+# must see the dispatch state of the backward call instead: a hook may run
+# autograd itself (e.g. a nested grad()), or use lazily conjugated tensors.
+_DISPATCH_KEYS = [getattr(torch._C.DispatchKey, name) for name in torch._C.DispatchKey.__members__]
+
+
+def _set_exclude_set(want, current) -> list:
+    """Make the thread's excluded dispatch keys `want`; return what undoes it."""
+    undo = []
+    for k in _DISPATCH_KEYS:
+        try:
+            if want.has(k) != current.has(k):
+                torch._C._dispatch_tls_set_dispatch_key_excluded(k, want.has(k))
+                undo.append((k, current.has(k)))
+        except RuntimeError:  # an alias key: not a single key to set
+            continue
+    return undo
+
+
+class replaying:
+    """Context of one compiled graph run: where its slots resolve."""
+
+    def __init__(self, capture, slots, hooks=(), steal=None, keep=False, versions=None, ctx=None, releases=None, observed=None,
+                 resumable=None):
+        self.task = torch._C._current_graph_task_id()  # in_graph_task's, when calls run
+        # hooks: (unpack_hook, packed) per hooked saved tensor, for UNPACK slots;
+        # steal: None, or the graph inputs' storages when ACCUMULATE calls may
+        # steal a fresh grad (NOTE [Stealing a fresh grad]); keep: the compiled code
+        # never writes into a call's inputs, so an output may be one (NOTE [Outputs the
+        # graph owns])
+        # versions: per slot that checks saved tensors read after it, their versions when
+        # the backward started (NOTE [Hooks may change what the graph reads]); ctx: per slot
+        # after which custom Functions' ctx attributes are checked, (ctx, its attributes
+        # when the backward started) (Plan.ctx_checks); releases: per slot, the nodes whose
+        # saved variables are freed after it (NOTE [Saved tensors freed as eager frees them])
+        # (the dispatch keys the backward call excluded: a call runs its hooks with them)
+        # observed: (slot, output) -> the layout a call's output had where it was not the
+        # traced one (NOTE [Layouts of call outputs])
+        self.frame = ReplayFrame(capture, slots, torch._C._dispatch_tls_local_exclude_set(), hooks, steal, keep, versions, ctx, releases, observed)
+
+        self.failed_at = None  # the slot of the last call started, when the graph raised
+        self.resumable = resumable or ()
+
+    def __enter__(self):
+        _replay.last.append(None)
+        try:
+            native_calls().push_replay(self.frame, _replay.last)
+        except BaseException:  # nothing pushed: leave both stacks as they were
+            _replay.last.pop()
+            raise
+        _replay.stack.append(self.frame)
+        _replay.tasks.append(self.task)
+        _replay.resumable.append(self.resumable)
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        native_calls().pop_replay()
+        _replay.stack.pop()
+        _replay.tasks.pop()
+        _replay.resumable.pop()
+        last = _replay.last.pop()
+        if exc_type is not None:
+            self.failed_at = last
+
+
+# NOTE [Engine queries from hooks]
+# Hooks run inside a one-node eager graph task (calls/graph_task.py in_graph_task), so what
+# the engine answers about "the current backward" is about that task, not ours.
+# torch.autograd.graph.register_multi_grad_hook(mode="all") counts the calls it
+# waits for with torch._C._will_engine_execute_node: every node but that one
+# node read as "will not run", so it waited for none and never called its
+# function. While a graph of ours runs, that query (from its own graph task: not
+# a nested eager backward's) is answered from the captured graph instead.
+def will_engine_execute_node(node):
+    """The captured graph's answer, from its own graph task; None: eager's answer (the
+    patch of torch._C._will_engine_execute_node is compile/torch_patches.py's)."""
+    if _replay.stack and _replay.tasks[-1] != -1 and _replay.tasks[-1] == torch._C._current_graph_task_id():
+        return _replay.stack[-1].capture.will_execute(node)
+    return None
+
+
+
+def call_kernel(
+    slot: int,
+    args: list[Optional[torch.Tensor]],
+    meta: list[int],
+    flags: int,
+) -> list[torch.Tensor]:
+    """The op's kernel, as the dispatcher runs it (below autograd)."""
+    return _run_call(slot, args, meta, flags)
+
+
+def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
+    """One call of a replayed graph, in the backward call's dispatch state."""
+    frame = _replay.stack[-1]
+    capture, slots, outside, hooks, steal, keep = frame.capture, frame.slots, frame.outside, frame.hooks, frame.steal, frame.keep
+    versions, ctx, releases, observed = frame.versions, frame.ctx, frame.releases, frame.observed
+    s = slots[slot]
+    kind, node, mask, in_flags, fresh, n_after, shared, n_watch = s.kind, s.node, s.mask, s.in_flags, s.fresh, s.n_after, s.shared, s.n_watch
+    row = SLOT_KINDS[kind]
+    passed = ()
+    if flags >> PASSES_SHIFT:  # graph inputs read after this call: returned, so read after it
+        n = flags >> PASSES_SHIFT
+        passed, args = args[-n:], args[:-n]
+    watched = ()
+    if n_watch:  # saved tensors read after this call, checked after it
+        watched, args = args[-n_watch:], args[:-n_watch]
+    if n_after:  # only there to order the call (NOTE [Hooks may change what the graph reads])
+        args = args[:-n_after]
+    last = _replay.last[-1]
+    _replay.last[-1] = slot
+    if last is None or slots[last].at != slots[slot].at:
+        # the engine runs each node in the backward's own thread-local state: a hook that
+        # left grad mode changed (`torch.set_grad_enabled(True)` as a statement) changed it
+        # for the rest of its node only (an unpack hook there sees it)
+        if torch.is_grad_enabled() != capture.grad_mode:
+            torch._C._set_grad_enabled(capture.grad_mode)
+    before = [args[i]._version if args[i] is not None else 0 for i in shared]
+    if in_flags:
+        # the last argument says which arguments are defined: an undefined grad
+        # reached the graph as zeros (NOTE [Undefined grads of opaque nodes]),
+        # the hook or node gets None, as in eager
+        *args, defined = args
+        args = [a if d else None for a, d in zip(args, defined.tolist())]
+    inside = torch._C._dispatch_tls_local_exclude_set()
+    undo = _set_exclude_set(outside, inside) if inside != outside else ()
+    try:
+        if row.accumulates:
+            outs = row.run(capture, node, args, mask, None, hooks, steal if fresh else None)
+        else:
+            keeps = keep and flags & KEEPS_INPUTS
+            # a grad a hook keeps (`seen.append(g)`) must not become `.grad` as it is: eager's
+            # AccumulateGrad sees the hook's reference and copies (NOTE [Stealing a fresh grad])
+            counts = [(a, sys.getrefcount(a)) for a in args if a is not None] if steal is not None and not row.ordering_args else ()
+            outs = _run_slot(capture, slot, row, node, mask, args, meta, flags, hooks, shared if keeps else None, observed,
+                             slot in _replay.resumable[-1])
+            for a, n in counts:
+                if sys.getrefcount(a) - sum(o is a for o in outs) > n:
+                    steal.add(a)
+        check_hooks_added(capture, kind, node)
+        if watched:
+            _check_versions(watched, versions[slot])
+        if ctx and slot in ctx:
+            _check_ctx(ctx[slot])
+        for i, v in zip(shared, before):
+            if args[i] is not None and args[i]._version != v:
+                _shared_modified_error(kind, capture, node)
+        if releases and slot in releases:
+            capture.release_nodes(releases[slot])
+        if passed:  # as the call leaves them; a user's backend may reuse an output's buffer: a copy
+            for t in passed:
+                if t.numel() and t.untyped_storage().nbytes() == 0:
+                    _still_empty_error(kind, capture, node)
+            outs = [*outs, *(passed if keep else [t.clone() for t in passed])]
+        return outs
+    finally:
+        for k, excluded in undo:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(k, excluded)
+
+
+def check_hooks_added(capture, kind, node) -> None:
+    """Raise where what a call ran gave hooks to a node the graph has no call for."""
+    stage = SLOT_KINDS[kind].stage
+    if stage >= 0 and capture.hooks_added(node, stage):
+        _hooks_added_error(kind, capture, node)
+
+
+def _run_slot(capture, slot, row, node, mask, args, meta, flags, hooks, shared=None, observed=None, stop=False):
+    metas = decode_meta(meta)
+    outs = row.run(capture, node, args, mask, metas, hooks, None)
+    if stop:
+        _stop_if_relaid(slot, mask, outs, metas, observed, args)
+    keep = () if shared is None else [a for i, a in enumerate(args) if a is not None and i not in shared]
+    return _conform(row.name, capture, node, mask, outs, keep, metas, flags, slot, observed)
+
+
+def _stop_if_relaid(slot, mask, outs, metas, observed, args) -> None:
+    """On a graph's first run, an output in another layout than traced stops the run before
+    it is copied (NOTE [A call output in another layout on a graph's first run],
+    capture/resume.py); what the call returned goes with it, as it came."""
+    outs = list(outs) + [None] * (len(mask) - len(outs))
+    positions = [i for i, m in enumerate(mask) if m]
+    relaid = False
+    for k, (i, m) in enumerate(zip(positions, metas)):
+        o = outs[i]
+        if o is None or list(o.shape) != list(m.shape) or o.dtype != m.dtype or o.device != m.device:
+            continue  # (_conform raises for what is not a layout)
+        if not m.has_layout(o.resolve_conj().resolve_neg()):
+            relaid = True
+            if observed is not None:
+                observed[(slot, k)] = observed_layout(o)
+    if relaid:
+        raise ResumeHere(slot, [o if m else None for o, m in zip(outs, mask)], list(args))
+
+
+def input_storages(args):
+    """The storages of a graph's tensor inputs, by identity (NOTE [Stealing a fresh grad]):
+    the native helper's StorageSet, whose weak references pin their StorageImpls for the
+    graph's run (a boxed graph frees inputs as it goes; a new grad may get a freed input's
+    memory, never its StorageImpl). `t in storages`; `storages.add(t)`: never steal t's
+    memory (a hook kept a reference to it)."""
+    from .. import native
+
+    return native.load().StorageSet([t for t in args if isinstance(t, torch.Tensor)])
+
+
+_op = None  # torch.ops.compiled_autograd.call.default, once installed (calls/__init__.py install)
+
+
+def _fast_path() -> bool:
+    """Whether a call can skip the dispatcher's way to the kernel: grad mode off and no
+    dispatch mode (a trace) active, as when a compiled graph runs."""
+    return not torch.is_grad_enabled() and torch._C._len_torch_dispatch_stack() == 0
+
+
+def call_at_autograd(slot, args, meta, flags):
+    """The kernel at the Autograd key. A compiled graph calls the op with grad mode off and no
+    dispatch mode active: the kernel runs there and then, skipping custom_op's Python
+    autograd wrapper and its redispatch below autograd (about 20 us of a call's ~120). The
+    call has no derivative (graphs under create_graph have no calls: runtime.py), so
+    otherwise, and while a trace (make_fx's proxy mode, fake tensors, functionalization)
+    is active, it goes on below autograd as any op does."""
+    if _fast_path():
+        return _run_call(slot, args, meta, flags)
+    with torch._C._AutoDispatchBelowAutograd():
+        return _op(slot, args, meta, flags)
+
+
+def call_direct(slot, args, meta, flags):
+    """The call without the dispatcher (its boxing of the arguments costs ~10 us), for the
+    graphs that run as Python code we generate (the eager backend, aot_eager's graph:
+    compile/boxed.py): the same kernel, where the dispatcher would run it directly."""
+    if _fast_path():
+        return _run_call(slot, args, meta, flags)
+    return _op(slot, args, meta, flags)
+
+
+# The name inductor's generated Python code calls a call by (compile/inductor.py
+# _register_inductor_lowering): the direct call, reachable from the `torch` every such module
+# imports (install sets it)
+DIRECT_KERNEL_NAME = "torch.ops.compiled_autograd.call.default._compiled_autograd_direct"
+
+# NOTE [Calls in the helper]
+# A call out of compiled code costs its Python: the frames of call_direct,
+# _run_call, _run_slot and _conform, slicing the arguments, the grad-mode and
+# dispatch-key checks, the checks after it. That was most of a hook's cost
+# against eager (a clamping hook on a parameter: ~12 us a call against eager's
+# ~5 us; a hook on an activation ~22 us more than eager). So the compiled code
+# calls the native helper's call_direct, which takes AccumulateGrad, hook and
+# opaque-node calls through the same steps as _run_call, in C++, and raises
+# through the same functions here (_hooks_added_error, _check_versions,
+# _check_ctx, _shared_modified_error, _conform for what it rejects): the
+# replay's frame is pushed to the helper as well (replaying). It follows the same
+# slot-kind table (nodes/__init__.py SLOT_KINDS: each kind's CallHow and stage). An
+# unpack call, a call off the fast path (grad mode on, a dispatch mode active), or
+# one whose thread excludes other dispatch keys than the backward call did, goes to
+# call_direct or _run_call here.
+direct = call_direct  # what compiled code calls: the helper's, once loaded (native_calls)
+_native_module = None
+
+
+def native_calls():
+    """The native helper, with its direct call installed (NOTE [Calls in the helper])."""
+    global _native_module, direct
+    if _native_module is None:
+        from .. import native
+
+        mod = native.load()
+        install_native(mod)
+        direct = _op._compiled_autograd_direct = mod.call_direct
+        _native_module = mod
+    return _native_module
+
+
+def install_native(mod, run_call=None) -> None:
+    """Give the helper's direct call the slot-kind table and the Python it hands other calls
+    to (`run_call`: _run_call, or a test's wrapper of it)."""
+    mod.install_calls(
+        {
+            "call_direct": call_direct,
+            "run_call": run_call or _run_call,
+            # (name, CallHow, stage) of each kind the helper runs
+            "kinds": [(row.name, int(row.native), row.stage) for row in SLOT_KINDS.values() if row.native >= 0],
+            "dtypes": DTYPES,
+            "device_types": DEVICE_TYPES,
+            "conform_error": _conform_error,
+            "observed_layout": observed_layout,
+            "conformed": lambda meta, k, t: decode_meta(meta)[k].conformed(t),
+            "check_versions": _check_versions,
+            "check_ctx": _check_ctx,
+            "hooks_added_error": _hooks_added_error,
+            "shared_modified_error": _shared_modified_error,
+            "still_empty_error": _still_empty_error,
+        }
+    )
+
+
+def call_fake(slot, args, meta, flags):
+    """The op's outputs on fakes: as its `meta` says, then its flags' and passed inputs'."""
+    outs = [m.empty() for m in decode_meta(meta)]
+    if flags & DEFINEDNESS:
+        outs.append(torch.empty(len(outs), dtype=torch.bool))
+    if flags >> PASSES_SHIFT:  # returned as they are: same geometry
+        outs += [torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device) for a in args[-(flags >> PASSES_SHIFT) :]]
+    return outs
+
+
+def _conform(kind, capture, node, mask, outs, keep, metas, flags, slot=None, observed=None):
+    """Real outputs -> the defined, non-aliasing tensors, in the traced layouts, the graph expects.
+
+    `mask[i]` says whether output i was defined when the graph was traced;
+    `metas` describes those outputs, in order. With flags (opaque nodes and
+    hooks) a missing grad becomes zeros and a False flag, so the graph knows
+    it is undefined. A grad where none was expected: from an opaque node it
+    goes nowhere (its edge is not in the graph); a hook that makes a None grad
+    defined cannot be followed (the graph has no place for it) and raises.
+    An output in another layout than traced is copied into it, and `observed`
+    records the layout it had (NOTE [Layouts of call outputs])."""
+    # `outs` (the list the hook or node returned) is taken over: its entries are
+    # cleared as they are read, so that a private tensor has no reference left but ours
+    outs.extend([None] * (len(mask) - len(outs)))
+    row = SLOT_KINDS[kind]
+    if not row.new_grads_go_nowhere and any(o is not None and not m for o, m in zip(outs, mask)):
+        raise RuntimeError(
+            f"compiled_autograd: {kind.replace('_', ' ')} of {capture.node_name(node)} returned a gradient "
+            "where the backward had None; the compiled graph cannot follow"
+        )
+    result, present = [], []
+    positions = [i for i, m in enumerate(mask) if m]
+    for k, (i, m) in enumerate(zip(positions, metas)):
+        o, outs[i] = outs[i], None
+        if o is None:
+            present.append(False)
+            result.append(m.empty().zero_())
+            continue
+        present.append(True)
+        if list(o.shape) != list(m.shape) or o.dtype != m.dtype or o.device != m.device:
+            what = row.what or f"{kind.replace('_', ' ')} of {capture.node_name(node)}"
+            raise RuntimeError(
+                f"compiled_autograd: {what} returned a tensor of {tuple(o.shape)}/{o.dtype}/{o.device} "
+                f"where the graph was traced with {tuple(m.shape)}/{m.dtype}/{m.device}"
+            )
+        # the graph was traced with a plain tensor: no lazy conjugate or negative bit
+        o = o.resolve_conj().resolve_neg()
+        if not m.has_layout(o):
+            if observed is not None:
+                observed[(slot, k)] = observed_layout(o)
+            o = m.conformed(o)
+        # the references of a private tensor: `o` and getrefcount's argument; or the
+        # call's own input, which nothing else in the graph reads (`keep`)
+        if (sys.getrefcount(o) > 2 or not _sole_owner(o)) and not any(o is a for a in keep):
+            o = o.clone()
+        result.append(o)
+    if flags & DEFINEDNESS:
+        result.append(torch.tensor(present, dtype=torch.bool))
+    return result
+
+
+def _conform_error(kind, capture, node, mask, outs, meta, flags):
+    """_conform's error for outputs the native helper's conform rejected."""
+    _conform(kind, capture, node, mask, outs, (), decode_meta(meta), flags)
+    raise AssertionError("compiled_autograd: the helper rejected outputs that _conform accepts")
+
+
+def _sole_owner(t: torch.Tensor) -> bool:
+    """Whether t's TensorImpl and storage are referenced by t alone (no other
+    at::Tensor, view, saved variable or detached alias)."""
+    if t._use_count() != 1:
+        return False
+    try:
+        storage = t.untyped_storage()
+    except Exception:  # no storage to share (a subclass, a meta tensor)
+        return False
+    return torch._C._storage_Use_Count(storage._cdata) == 2  # t's and `storage`'s
