@@ -376,6 +376,15 @@ class Plan:
     # first run], capture/resume.py)
     resume: tuple = ()
     result_calls: tuple = ()
+    # (result index, type, inner tensor names, inner non-tensors (name, object), flatten
+    # metadata, outer size, outer stride) per result
+    # that is a tensor subclass: its inner tensors are the results from that index on, rebuilt
+    # before the results are applied (docs/design/subclasses.md section 4)
+    wrapped: tuple = ()
+    # the lifted indices of tensor subclasses: the graph reads their inner tensors, not them, and
+    # gets an empty tensor there (replay/run.py stand_in), never the subclass itself, which a
+    # backend would desugar again (AOTAutograd: per call)
+    stand_ins: tuple = ()
 
     @functools.cached_property
     def release_after(self) -> dict | None:

@@ -25,12 +25,15 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..errors import Unkeyable
+from ..errors import Fallback, Unkeyable
 from ..nodes.function import _collect_pynode, kept_indices
 from ..nodes.saved_tensors import LEARNED, Learn, LearnKey, _hook_code, _packed_meta, _Predictor, unpack
 from ..replay.graph_task import in_graph_task
 from ..values import GraphKey, NodeKind, NodeRow
+from . import precheck
+from .state import _value_key
 
 PYNODE_KIND = NodeKind.PYNODE
 
@@ -53,6 +56,7 @@ class Collected:
     hooks: list = field(default_factory=list)  # (unpack_hook, packed, learned key or None) per hooked saved tensor
     in_graph: tuple = ()  # an InGraph per saved tensor unpacked in the graph
     grad_on_ctx: bool = False  # a leaf's .grad, accumulated into by this backward, is kept on ctx
+    wrappers: tuple = ()  # a Wrapper per lifted tensor subclass (docs/design/subclasses.md)
 
     # ints saved by torch.compile'd regions for their inlined backwards, and sizes kept on custom
     # Functions' ctx (NOTE [Sizes kept on ctx]), in `sizes` before those shapes
@@ -109,6 +113,85 @@ class InGraph(NamedTuple):
     device: torch.device
     dim: int  # its shape is in the sizes vector (Collected.in_graph_start on)
     order: tuple  # its dims from outermost to innermost in memory (ops.OutputMeta.dense)
+
+
+class Wrapper(NamedTuple):
+    """A lifted traceable wrapper subclass (DTensor, a user's), flattened: its inner tensors are
+    lifted (graph inputs), and the trace rebuilds it from their fakes (docs/design/subclasses.md
+    section 1)."""
+
+    index: int  # its own lifted index (a placeholder the graph does not read)
+    type: type
+    inner: tuple  # (attribute name, lifted index) per inner tensor, in __tensor_flatten__'s order
+    consts: tuple  # (attribute name, object) per inner attribute that is not a tensor (DTensor's mesh)
+    meta: Any  # __tensor_flatten__'s metadata, keyed by value
+    size: tuple  # its outer size and stride: __tensor_unflatten__'s outer_size, outer_stride
+    stride: tuple
+
+    def rebuild(self, args):
+        """The subclass over `args`' inner tensors (the trace's fakes)."""
+        inner = {name: args[i] for name, i in self.inner}
+        inner.update(self.consts)
+        return self.type.__tensor_unflatten__(inner, self.meta, self.size, self.stride)
+
+
+def _no_tensor(t):
+    raise Unkeyable("a tensor in a subclass's flatten metadata")
+
+
+def _meta_key(v):
+    """The key of a subclass's flatten metadata or of an inner attribute that is not a tensor:
+    _value_key's; frozen dataclasses, named tuples (TensorMeta, ShardOrderEntry) and DTensor's
+    placements by value; a DeviceMesh by what a graph bakes in of it: its ranks, dim names and process group names
+    (the funcol ops' group_name) (docs/design/subclasses.md section 1)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(v) and not isinstance(v, type) and v.__dataclass_params__.frozen:
+        return ("dc", type(v), tuple((f.name, _meta_key(getattr(v, f.name))) for f in dataclasses.fields(v)))
+    if type(v).__module__.startswith("torch.distributed.tensor.placement_types"):
+        return ("placement", v)  # (C++ objects in 2.13, hashable and equal by value)
+    if type(v).__name__ == "DeviceMesh" and type(v).__module__.startswith("torch.distributed"):
+        groups = tuple(v.get_group(d).group_name for d in range(v.ndim))
+        return ("mesh", v.device_type, tuple(v.mesh.flatten().tolist()), tuple(v.mesh.shape), v.mesh_dim_names, groups)
+    if type(v) is tuple or type(v) is list or (isinstance(v, tuple) and hasattr(v, "_fields")):
+        return (type(v), tuple(_meta_key(x) for x in v))
+    return _value_key(v, _no_tensor, user=True)
+
+
+def _flatten_wrappers(capture, lifted: list, lift) -> tuple[tuple, tuple]:
+    """(a Wrapper per lifted wrapper subclass, their key entries); raises Fallback where one is
+    not supported (yet). Their inner tensors are lifted through `lift` (deduplicated by
+    identity: two subclasses may share one, a ScaledTensor's scale)."""
+    wrappers, keys = [], []
+    for i in capture.wrapped():
+        t = lifted[i]
+        if not precheck.SUBCLASSES:
+            raise Fallback("tensor subclass")
+        if not is_traceable_wrapper_subclass(t):
+            raise Fallback(f"tensor subclass {type(t).__name__} without __tensor_flatten__")
+        names, meta = t.__tensor_flatten__()
+        inner, consts = [], []
+        for name in names:
+            v = getattr(t, name)
+            if not isinstance(v, torch.Tensor):  # (DTensor's mesh: kept by reference, keyed by value)
+                try:
+                    consts.append((name, v, _meta_key(v)))
+                except Unkeyable as e:
+                    raise Fallback(f"tensor subclass {type(t).__name__} whose {name} is unkeyable: {e}") from None
+                continue
+            if type(v) not in (torch.Tensor, torch.nn.Parameter):
+                raise Fallback(f"tensor subclass {type(t).__name__} whose {name} is a {type(v).__name__} (not yet)")
+            try:
+                inner.append((name, lift(v)))
+            except Unkeyable as e:
+                raise Fallback(f"tensor subclass {type(t).__name__} whose {name} is a {e}") from None
+        try:
+            meta_key = _meta_key(meta)
+        except Unkeyable as e:
+            raise Fallback(f"tensor subclass {type(t).__name__} whose flatten metadata is unkeyable: {e}") from None
+        wrappers.append(Wrapper(i, type(t), tuple(inner), tuple((n, v) for n, v, _ in consts), meta, tuple(t.shape), tuple(t.stride())))
+        keys.append(("W", i, type(t), tuple(names), meta_key, tuple(j for _, j in inner), tuple((n, k) for n, _, k in consts)))
+    return tuple(wrappers), tuple(keys)
 
 
 def layout_signature(t: torch.Tensor):
@@ -174,7 +257,12 @@ def collect(capture, run_unpack_hooks: bool = True, keep_graph: bool = True) -> 
     if saved_hooks and not run_unpack_hooks:
         return None
     pynode_indices = capture.pynode_indices()
-    if not saved_hooks and not pynode_indices:
+    wrapped = capture.wrapped()
+    if wrapped and not precheck.SUBCLASSES:
+        raise Fallback("tensor subclass")
+    if wrapped and (saved_hooks or pynode_indices):
+        raise Fallback("tensor subclass with saved-tensor hooks or custom Functions (not yet: docs/design/subclasses.md)")
+    if not saved_hooks and not pynode_indices and not wrapped:
         lifted = capture.lifted()
         return Collected(
             capture=capture,
@@ -221,6 +309,7 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
     lifted = list(capture.lifted())
     n_native = len(lifted)
     lift = _Lifter(lifted)
+    wrappers, wrapper_keys = _flatten_wrappers(capture, lifted, lift)
     unpacked, in_graph, shapes, hooks = [], [], [], []
     for i, ((hook, packed), (meta, learned)) in enumerate(zip(saved_hooks, metas)):
         if meta is None:  # unpredictable: unpacked now, a graph input
@@ -241,7 +330,7 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
         pykeys.append((idx, k))
         pynodes[idx] = info
     grad_on_ctx = _grad_on_ctx(capture, pynodes, lifted)
-    key = GraphKey(capture.key(), tuple(pykeys), tuple(unpacked), tuple(in_graph), tuple(lift.extra_keys), grad_on_ctx)
+    key = GraphKey(capture.key(), tuple(pykeys), tuple(unpacked), tuple(in_graph), tuple(lift.extra_keys) + wrapper_keys, grad_on_ctx)
     aot_ints: list = []  # sizes, as a dynamic capture may make them symbolic
     for info in pynodes.values():
         if info.symints is not None:
@@ -251,7 +340,7 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
             info.aot_start = len(aot_ints)
             aot_ints += info.ctx_ints
     sizes = tuple(capture.sizes()) + tuple(lift.geometry) + tuple(aot_ints) + tuple(shapes)
-    return Collected(
+    collected = Collected(
         capture=capture,
         key=key,
         sizes=sizes,
@@ -264,7 +353,12 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
         in_graph=tuple(in_graph),
         grad_on_ctx=grad_on_ctx,
         n_aot=len(aot_ints),
+        wrappers=wrappers,
     )
+    if wrappers and any(n.execute and (n.opaque or n.hooks.any) for n in collected.nodes):
+        # (a call's arguments and outputs would need rebuild specs: docs/design/subclasses.md, step 4)
+        raise Fallback("tensor subclass with hooks or opaque nodes (not yet: docs/design/subclasses.md)")
+    return collected
 
 
 def _grad_on_ctx(capture, pynodes, lifted) -> bool:

@@ -3,10 +3,18 @@ process state a traced formula may branch on (part of the key)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._python_dispatch import _get_current_dispatch_mode, is_traceable_wrapper_subclass
 
 from ..observe.stats import STATS
+
+
+# Traceable wrapper subclasses (DTensor, a user's) flattened into their inner tensors and
+# compiled: the prototype of docs/design/subclasses.md step 1, off unless
+# COMPILED_AUTOGRAD_SUBCLASSES=1 (branch subclasses-spike); read where used, so tests may set it
+SUBCLASSES = os.environ.get("COMPILED_AUTOGRAD_SUBCLASSES", "0") == "1"
 
 
 def global_state() -> tuple:
@@ -55,7 +63,8 @@ def precheck(roots, grads, create_graph, inputs, accumulate_grad) -> tuple[str |
         return "TorchDispatchMode active", False
     for g in grads:
         if g is not None and type(g) not in (torch.Tensor, torch.nn.Parameter):
-            return "tensor subclass root grad", False
+            if not (SUBCLASSES and is_traceable_wrapper_subclass(g)):
+                return "tensor subclass root grad", False
     return None, False
 
 
