@@ -133,6 +133,11 @@ def _run_backward(
         capture = C.GraphCapture(list(roots), list(grads), list(inputs), accumulate_grad)
     except RuntimeError as e:  # misuse (freed graph, modified saved tensor): eager raises the same error
         pause.resume()
+        if "NestedTensor support not implemented" in str(e):
+            # torch's CompiledNodeArgs::collect(InputMetadata) refuses a nested tensor's edge: no
+            # misuse of the user's, and under fullgraph=True an error of ours
+            # (docs/design/subclasses.md, step 0; later: opaque nodes, section 5)
+            return _fall_back(cfg, "tensor subclass: a nested tensor in the graph", eager)
         return _fall_back(cfg, f"collection error: {str(e).splitlines()[0][:120]}", eager, user_error=True)
     try:
         return _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, accumulate_grad, pause)
@@ -204,12 +209,16 @@ def _collect(capture, keep_graph, create_graph):
             return None, "create_graph=True with saved-tensor hooks", False
         if isinstance(collected, Learn):
             capture.learn_unpacks(sorted(collected.keys), collected.report)
+        elif create_graph and collected.wrappers:
+            return None, "create_graph=True with tensor subclasses (not yet: docs/design/subclasses.md)", False
         return collected, None, False
     except RuntimeError as e:  # misuse (freed graph, modified saved tensor): eager raises the same error
         return None, f"collection error: {str(e).splitlines()[0][:120]}", True
     except Unkeyable as e:
         # an unpack hook returned a tensor we cannot lift (a subclass, a sparse tensor)
         return None, f"saved-tensor hook returned a {e}", False
+    except Fallback as e:  # (a tensor subclass the graph does not take: docs/design/subclasses.md)
+        return None, e.reason, False
 
 
 class _OneBackward:

@@ -103,6 +103,7 @@ class Collected:
     hooks: list = field(default_factory=list)  # (unpack_hook, packed, learned key or None) per hooked saved tensor
     in_graph: tuple = ()  # an InGraph per saved tensor unpacked in the graph
     grad_on_ctx: bool = False  # a leaf's .grad, accumulated into by this backward, is kept on ctx
+    wrappers: tuple = ()  # a Wrapper per lifted tensor subclass (walk/subclasses.py; docs/design/subclasses.md)
 
     # ints saved by torch.compile'd regions for their inlined backwards, and sizes kept on custom
     # Functions' ctx (NOTE [Sizes kept on ctx]), in `sizes` before those shapes
@@ -390,6 +391,15 @@ class Plan:
     # first run], capture/resume.py)
     resume: tuple = ()
     result_calls: tuple = ()
+    # (result index, type, inner tensor names, inner non-tensors (name, object), flatten
+    # metadata, outer size, outer stride) per result
+    # that is a tensor subclass: its inner tensors are the results from that index on, rebuilt
+    # before the results are applied (docs/design/subclasses.md section 4)
+    wrapped: tuple = ()
+    # the lifted indices of tensor subclasses: the graph reads their inner tensors, not them, and
+    # gets an empty tensor there (replay/run.py stand_in), never the subclass itself, which a
+    # backend would desugar again (AOTAutograd: per call)
+    stand_ins: tuple = ()
 
     @functools.cached_property
     def release_after(self) -> dict | None:

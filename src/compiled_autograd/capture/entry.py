@@ -242,7 +242,15 @@ def _static_fakes(tensors):
 def _example_inputs(captured, collected):
     # a static graph compiles against the real tensors; a dynamic one against
     # the fakes carrying its symbols
-    return captured.example_inputs if captured.mask is not None and any(captured.mask) else collected.lifted
+    if captured.mask is not None and any(captured.mask):
+        return captured.example_inputs
+    if captured.plan.stand_ins:  # (tensor subclasses: an empty tensor in their place, as at replay)
+        from ..replay.run import stand_in
+
+        inputs = list(collected.lifted)
+        stand_in(inputs, captured.plan.stand_ins)
+        return inputs
+    return collected.lifted
 
 
 def dynamic_of(captured, sizes) -> Dynamic:

@@ -122,7 +122,17 @@ def fake_inputs(collected: Collected, mask, history=()):
     sizes, n_si = collected.sizes, collected.n_size_inputs
     real_mask = [False] * len(sizes)
     fakes = []
+    wrapped = {w.index for w in collected.wrappers}
+    if wrapped and mask:
+        raise RuntimeError("compiled_autograd: a dynamic capture with tensor subclasses (not yet: docs/design/subclasses.md)")
     for i, (t, (start, dim, with_strides)) in enumerate(zip(collected.lifted, collected.tensor_positions)):
+        if i in wrapped:
+            # an input the graph does not read: the trace rebuilds the subclass over its
+            # inner tensors' fakes (docs/design/subclasses.md section 2), untracked, so that its
+            # ops go through its __torch_dispatch__ to ops on those fakes
+            with mode:  # (as the empty tensor replay/run.py's stand_in gives it)
+                fakes.append(torch.empty(0, dtype=t.dtype, device=t.device))
+            continue
         # with a mask every dim asks the env, which answers per position; so
         # do recorded strides (torch would otherwise infer a stride from any
         # size product of equal value, a coincidence of this one backward)

@@ -59,7 +59,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils.weak import WeakIdKeyDictionary
 
 _PLAIN = (int, float, bool, str, complex, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
@@ -168,6 +168,11 @@ class Recorder(TorchDispatchMode):
         if self.live:
             self._check_live(func, args, kwargs)
         elif not all(issubclass(t, FakeTensor) for t in types):
+            if all(issubclass(t, FakeTensor) or is_traceable_wrapper_subclass_type(t) for t in types):
+                # a subclass the trace rebuilt over its fakes (docs/design/subclasses.md section 3):
+                # its __torch_dispatch__ runs, and the ops it runs on the fakes come back here, as
+                # make_fx's proxy mode has it (proxy_call's unrecognized types)
+                return NotImplemented
             self._fail(f"{func} on a tensor subclass")
         node_args, node_kwargs = self._arg(args), {k: self._arg(v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .. import config
 from ..errors import NeedsOpaque, NotTwiceDifferentiable
@@ -85,6 +86,7 @@ class _BackwardTracer:
         self.resumable = not create_graph and resume.resumable(collected)
         self.buffers: dict = {}
         self.resumed_inputs: list = []  # a resumed step's node inputs (_step)
+        self.wrapped: list = []  # Plan.wrapped: results that are tensor subclasses, flattened
         self.in_graph_accumulate = collected.grad_on_ctx or any(
             (opaque.is_opaque(self, i) and opaque.may_read_grads(self, i)) or (n.hooks.any and not self.late) for i, n in enumerate(self.nodes)
         )
@@ -99,9 +101,24 @@ class _BackwardTracer:
     def _new_result(self, v: Value | None) -> tuple[int, int]:
         if v is None:
             return -1, -1
-        self.results.append(v.t)
-        self.unconsumed.append(v.t)
-        r = len(self.results) - 1
+        r = len(self.results)
+        if self.c.wrappers and is_traceable_wrapper_subclass(v.t):
+            # a subclass result: its inner tensors are graph results from r on, and replay/run.py
+            # rebuilds it with the metadata the trace's dispatch gave it (docs/design/subclasses.md
+            # section 4)
+            names, meta = v.t.__tensor_flatten__()
+            attrs = [(n, getattr(v.t, n)) for n in names]
+            names = tuple(n for n, x in attrs if isinstance(x, torch.Tensor))
+            inner = [x for _, x in attrs if isinstance(x, torch.Tensor)]
+            consts = tuple((n, x) for n, x in attrs if not isinstance(x, torch.Tensor))  # (DTensor's mesh)
+            if any(is_traceable_wrapper_subclass(x) for x in inner):
+                raise RuntimeError("compiled_autograd: a subclass result with a subclass inside (not yet)")
+            self.wrapped.append((r, type(v.t), names, consts, meta, tuple(v.t.shape), tuple(v.t.stride())))
+            self.results.extend(inner)
+            self.unconsumed.extend(inner)
+        else:
+            self.results.append(v.t)
+            self.unconsumed.append(v.t)
         if v.bits is None:
             return r, -1
         self.results.append(self._defined(v.bits))
@@ -191,6 +208,10 @@ class _BackwardTracer:
         for u in c.in_graph:
             self.in_graph_metas[u.hid] = OutputMeta.dense(dims[: u.dim], u.dtype, u.device, u.order)
             dims = dims[u.dim :]
+        if c.wrappers:  # each lifted subclass rebuilt over its inner tensors' fakes (docs/design/subclasses.md section 2)
+            args = list(args)
+            for w in c.wrappers:
+                args[w.index] = w.rebuild(args)
         unpacked = [args[i] if i >= 0 else None for i in c.unpacked]
         capture.begin_trace(list(args[: c.n_native]), unpacked, functools.partial(saved_tensors.unpack_in_graph, self), sym)
         try:
@@ -413,6 +434,8 @@ def _plan(gm, tracer, collected, captured, differentiable, num_results) -> Plan:
         leaf_hooks=tuple(tracer.leaf_hooks),
         resume=resume.points(gm, tracer),
         result_calls=tuple(tracer.result_calls),
+        wrapped=tuple(tracer.wrapped),
+        stand_ins=tuple(w.index for w in collected.wrappers),
     )
 
 
@@ -434,7 +457,8 @@ def _all_built_in(collected) -> bool:
     """Whether a live record may take this backward: built-in formulas and AccumulateGrad
     only, no hook of any kind, nothing opaque, no tensor whose data a hook brings (NOTE
     [Recording on the real tensors])."""
-    if collected.unpacked or collected.in_graph or collected.pynodes or collected.grad_on_ctx or collected.n_aot or collected.arriving:
+    if collected.unpacked or collected.in_graph or collected.pynodes or collected.grad_on_ctx or collected.n_aot or collected.arriving \
+            or collected.wrappers:
         return False
     return all(FAMILIES[n.kind].live and not n.opaque and not n.hooks.any for n in collected.nodes)
 

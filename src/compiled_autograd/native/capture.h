@@ -226,6 +226,11 @@ struct CollectedGraph {
     return nodes_.size();
   }
 
+  // the lifted indices of wrapper subclasses (NOTE [Tensor subclasses in the key], collect.cpp)
+  const std::vector<size_t>& wrapped() const {
+    return wrapped_;
+  }
+
   size_t num_results() const {
     return num_results_;
   }
@@ -256,6 +261,7 @@ struct CollectedGraph {
   bool accumulate_grad_;
   std::string key_;
   std::vector<int64_t> sizes_;
+  std::vector<size_t> wrapped_;
   std::vector<size_t> node_key_offsets_;
   std::vector<NodeRecord> nodes_;
   struct NodeInfo {

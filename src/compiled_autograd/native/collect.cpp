@@ -146,9 +146,14 @@ const char* tensor_key_into(const at::Tensor& t, std::string& key, std::vector<i
   if (t.layout() != at::kStrided) {
     return "non-strided lifted tensor";
   }
-  if (t.key_set().has(c10::DispatchKey::Python) || t.is_nested()) {
+  if (t.is_nested()) {
     return "tensor subclass";
   }
+  // NOTE [Tensor subclasses in the key] (docs/design/subclasses.md): a wrapper subclass
+  // (DTensor, a user's) is keyed here by its outer metadata, tag 'W', its outer geometry in the
+  // sizes; walk/collect.py flattens it (__tensor_flatten__), lifts its inner tensors and keys
+  // its type and metadata, or refuses it ("tensor subclass"). It has no data of its own.
+  const bool wrapper = t.key_set().has(c10::DispatchKey::Python);
   if (t.key_set().has(c10::DispatchKey::FuncTorchGradWrapper) || t.key_set().has(c10::DispatchKey::FuncTorchBatched)) {
     return "a torch.func transform's wrapped tensor";
   }
@@ -165,11 +170,11 @@ const char* tensor_key_into(const at::Tensor& t, std::string& key, std::vector<i
   // their forward and their all-gather in the backward) gets its data back from a hook
   // before its node reads it: NOTE [Tensors whose data arrives during the backward]
   // (capture/passes.py). A ZeroTensor's never comes.
-  bool arrives = t.has_storage() && t.numel() > 0 && !t._is_zerotensor() && t.storage().nbytes() == 0;
-  if (!arrives && (!t.has_storage() || (t.numel() > 0 && t.const_data_ptr() == nullptr))) {
+  bool arrives = !wrapper && t.has_storage() && t.numel() > 0 && !t._is_zerotensor() && t.storage().nbytes() == 0;
+  if (!wrapper && !arrives && (!t.has_storage() || (t.numel() > 0 && t.const_data_ptr() == nullptr))) {
     return "a lifted tensor without data";
   }
-  append_pod(key, static_cast<uint8_t>(arrives ? 'A' : 'H'));
+  append_pod(key, static_cast<uint8_t>(wrapper ? 'W' : arrives ? 'A' : 'H'));
   append_pod(key, static_cast<int8_t>(t.scalar_type()));
   append_pod(key, static_cast<int8_t>(t.device().type()));
   append_pod(key, static_cast<int8_t>(t.device().index()));
@@ -646,8 +651,12 @@ class Collector {
     }
     // -- key: lifted tensors' metadata and layout
     append_pod(g_.key_, static_cast<uint32_t>(g_.call_.tensor_args.inputs.size()));
-    for (auto& t : g_.call_.tensor_args.inputs) {
+    for (size_t i = 0; i < g_.call_.tensor_args.inputs.size(); ++i) {
+      const auto& t = g_.call_.tensor_args.inputs[i];
       append_tensor_key(t);
+      if (t.key_set().has(c10::DispatchKey::Python) && !t.is_nested()) {
+        g_.wrapped_.push_back(i); // NOTE [Tensor subclasses in the key]
+      }
     }
   }
 

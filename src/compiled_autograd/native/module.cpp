@@ -58,6 +58,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("num_size_inputs", &GraphCapture::num_size_inputs)
       .def("node_key_offsets", &GraphCapture::node_key_offsets)
       .def("num_nodes", &GraphCapture::num_nodes)
+      .def("wrapped", &GraphCapture::wrapped)
       .def("num_results", &GraphCapture::num_results)
       .def("nodes", &GraphCapture::nodes)
       .def("node_object", &GraphCapture::node_object)

@@ -107,6 +107,9 @@ _PURE_MODULES = ("torch", "math", "cmath", "operator", "functools", "itertools",
                  "builtins", "collections", "enum", "warnings", "numpy", "compiled_autograd", "_pytest")
 
 
+value_key = _value_key  # (public: walk/subclasses.py keys a subclass's metadata with it)
+
+
 def _pure_module(name: str) -> bool:
     return name.split(".")[0] in _PURE_MODULES
 

@@ -21,6 +21,8 @@ def run_graph(entry: CompiledBackward, capture, lifted, extra, hooks, releases=(
     """Run the entry's function on the lifted tensors (`first_run`: instead, the function
     running a graph's first run, NOTE [A call output in another layout on a graph's first run]
     in capture/resume.py); its results."""
+    if entry.plan.stand_ins:
+        stand_in(lifted, entry.plan.stand_ins)
     if entry.plan.differentiable is not None and any(entry.plan.differentiable):
         with torch.enable_grad():  # the engine's grad mode under create_graph
             outs = list(DifferentiableGraph.apply(entry, extra, *lifted))
@@ -60,6 +62,21 @@ def run_graph(entry: CompiledBackward, capture, lifted, extra, hooks, releases=(
         # expect (graph task id, queue_callback), as eager does
         return in_graph_task(run, keep_graph)
     return run()
+
+
+_STAND_INS: dict = {}
+
+
+def stand_in(args: list, slots) -> None:
+    """Each tensor subclass among `args` (at `slots`, Plan.stand_ins) replaced, in place, by an
+    empty tensor of its dtype and device: the graph reads its inner tensors, which follow it."""
+    for i in slots:
+        t = args[i]
+        key = (t.dtype, t.device)
+        e = _STAND_INS.get(key)
+        if e is None:
+            e = _STAND_INS[key] = torch.empty(0, dtype=t.dtype, device=t.device)
+        args[i] = e
 
 
 def _fresh_leaves(outs: list, differentiable: tuple) -> list:
@@ -112,6 +129,8 @@ def check_outputs(key, entry: CompiledBackward, capture, results: list, sizes: t
 def apply(entry: CompiledBackward, capture, results: list):
     """Apply a graph's results with eager semantics; return grad()'s results."""
     plan = entry.plan
+    for r, typ, names, consts, meta, size, stride in plan.wrapped:  # (docs/design/subclasses.md section 4)
+        results[r] = typ.__tensor_unflatten__({**dict(zip(names, results[r : r + len(names)])), **dict(consts)}, meta, size, stride)
     acc = []
     for node, r, f in plan.accumulate:
         if f < 0 or bool(results[f]):

@@ -23,12 +23,14 @@ import hashlib
 
 import torch
 
-from ..errors import Unkeyable
+from ..errors import Fallback, Unkeyable
 from ..nodes.function import collect_pynode, kept_indices
 from ..nodes.learned import LEARNED, LearnKey
 from ..nodes.saved_tensors import Learn, Predictor, hook_code, packed_meta, unpack
 from ..calls.graph_task import in_graph_task
 from ..values import Collected, GraphKey, InGraph
+from . import precheck
+from .subclasses import flatten_wrappers
 
 
 
@@ -83,7 +85,12 @@ def collect(capture, run_unpack_hooks: bool = True, keep_graph: bool = True) -> 
     if saved_hooks and not run_unpack_hooks:
         return None
     pynode_indices = capture.pynode_indices()
-    if not saved_hooks and not pynode_indices:
+    wrapped = capture.wrapped()
+    if wrapped and not precheck.SUBCLASSES:
+        raise Fallback("tensor subclass")
+    if wrapped and (saved_hooks or pynode_indices):
+        raise Fallback("tensor subclass with saved-tensor hooks or custom Functions (not yet: docs/design/subclasses.md)")
+    if not saved_hooks and not pynode_indices and not wrapped:
         lifted = capture.lifted()
         return Collected(
             capture=capture,
@@ -130,6 +137,7 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
     lifted = list(capture.lifted())
     n_native = len(lifted)
     lift = _Lifter(lifted)
+    wrappers, wrapper_keys = flatten_wrappers(capture, lifted, lift)
     unpacked, in_graph, shapes, hooks = [], [], [], []
     for i, ((hook, packed), (meta, learned)) in enumerate(zip(saved_hooks, metas)):
         if meta is None:  # unpredictable: unpacked now, a graph input
@@ -150,7 +158,7 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
         pykeys.append((idx, k))
         pynodes[idx] = info
     grad_on_ctx = _grad_on_ctx(capture, pynodes, lifted)
-    key = GraphKey(capture.key(), tuple(pykeys), tuple(unpacked), tuple(in_graph), tuple(lift.extra_keys), grad_on_ctx)
+    key = GraphKey(capture.key(), tuple(pykeys), tuple(unpacked), tuple(in_graph), tuple(lift.extra_keys) + wrapper_keys, grad_on_ctx)
     aot_ints: list = []  # sizes, as a dynamic capture may make them symbolic
     for info in pynodes.values():
         if info.symints is not None:
@@ -160,7 +168,7 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
             info.aot_start = len(aot_ints)
             aot_ints += info.ctx_ints
     sizes = tuple(capture.sizes()) + tuple(lift.geometry) + tuple(aot_ints) + tuple(shapes)
-    return Collected(
+    collected = Collected(
         capture=capture,
         key=key,
         sizes=sizes,
@@ -173,7 +181,12 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
         in_graph=tuple(in_graph),
         grad_on_ctx=grad_on_ctx,
         n_aot=len(aot_ints),
+        wrappers=wrappers,
     )
+    if wrappers and any(n.execute and (n.opaque or n.hooks.any) for n in collected.nodes):
+        # (a call's arguments and outputs would need rebuild specs: docs/design/subclasses.md, step 4)
+        raise Fallback("tensor subclass with hooks or opaque nodes (not yet: docs/design/subclasses.md)")
+    return collected
 
 
 def _grad_on_ctx(capture, pynodes, lifted) -> bool:

@@ -4,9 +4,16 @@ process state a traced formula may branch on (part of the key)."""
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._python_dispatch import _get_current_dispatch_mode, is_traceable_wrapper_subclass
 
+from .. import config
 from ..observe.stats import STATS
+
+
+# Traceable wrapper subclasses (DTensor, a user's) flattened into their inner tensors and
+# compiled: the prototype of docs/design/subclasses.md step 1, off unless
+# COMPILED_AUTOGRAD_SUBCLASSES=1: the prototype of docs/design/subclasses.md (tests set SUBCLASSES)
+SUBCLASSES = config.SUBCLASSES.read() == "1"
 
 
 def global_state() -> tuple:
@@ -55,7 +62,8 @@ def precheck(roots, grads, create_graph, inputs, accumulate_grad) -> tuple[str |
         return "TorchDispatchMode active", False
     for g in grads:
         if g is not None and type(g) not in (torch.Tensor, torch.nn.Parameter):
-            return "tensor subclass root grad", False
+            if not (SUBCLASSES and is_traceable_wrapper_subclass(g)):
+                return "tensor subclass root grad", False
     return None, False
 
 

@@ -1,0 +1,93 @@
+"""Traceable wrapper subclasses among the lifted tensors (DTensor, a user's): flattened at
+collect, their inner tensors lifted and their metadata keyed by value, rebuilt over the trace's
+fakes (docs/design/subclasses.md section 1; a prototype behind COMPILED_AUTOGRAD_SUBCLASSES=1)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from ..errors import Fallback, Unkeyable
+from ..nodes.state import value_key
+from . import precheck
+
+
+class Wrapper(NamedTuple):
+    """A lifted traceable wrapper subclass (DTensor, a user's), flattened: its inner tensors are
+    lifted (graph inputs), and the trace rebuilds it from their fakes (docs/design/subclasses.md
+    section 1)."""
+
+    index: int  # its own lifted index (a placeholder the graph does not read)
+    type: type
+    inner: tuple  # (attribute name, lifted index) per inner tensor, in __tensor_flatten__'s order
+    consts: tuple  # (attribute name, object) per inner attribute that is not a tensor (DTensor's mesh)
+    meta: Any  # __tensor_flatten__'s metadata, keyed by value
+    size: tuple  # its outer size and stride: __tensor_unflatten__'s outer_size, outer_stride
+    stride: tuple
+
+    def rebuild(self, args):
+        """The subclass over `args`' inner tensors (the trace's fakes)."""
+        inner = {name: args[i] for name, i in self.inner}
+        inner.update(self.consts)
+        return self.type.__tensor_unflatten__(inner, self.meta, self.size, self.stride)
+
+
+def _no_tensor(t):
+    raise Unkeyable("a tensor in a subclass's flatten metadata")
+
+
+def _meta_key(v):
+    """The key of a subclass's flatten metadata or of an inner attribute that is not a tensor:
+    _value_key's; frozen dataclasses, named tuples (TensorMeta, ShardOrderEntry) and DTensor's
+    placements by value; a DeviceMesh by what a graph bakes in of it: its ranks, dim names and process group names
+    (the funcol ops' group_name) (docs/design/subclasses.md section 1)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(v) and not isinstance(v, type) and v.__dataclass_params__.frozen:
+        return ("dc", type(v), tuple((f.name, _meta_key(getattr(v, f.name))) for f in dataclasses.fields(v)))
+    if type(v).__module__.startswith("torch.distributed.tensor.placement_types"):
+        return ("placement", v)  # (C++ objects in 2.13, hashable and equal by value)
+    if type(v).__name__ == "DeviceMesh" and type(v).__module__.startswith("torch.distributed"):
+        groups = tuple(v.get_group(d).group_name for d in range(v.ndim))
+        return ("mesh", v.device_type, tuple(v.mesh.flatten().tolist()), tuple(v.mesh.shape), v.mesh_dim_names, groups)
+    if type(v) is tuple or type(v) is list or (isinstance(v, tuple) and hasattr(v, "_fields")):
+        return (type(v), tuple(_meta_key(x) for x in v))
+    return value_key(v, _no_tensor, user=True)
+
+
+def flatten_wrappers(capture, lifted: list, lift) -> tuple[tuple, tuple]:
+    """(a Wrapper per lifted wrapper subclass, their key entries); raises Fallback where one is
+    not supported (yet). Their inner tensors are lifted through `lift` (deduplicated by
+    identity: two subclasses may share one, a ScaledTensor's scale)."""
+    wrappers, keys = [], []
+    for i in capture.wrapped():
+        t = lifted[i]
+        if not precheck.SUBCLASSES:
+            raise Fallback("tensor subclass")
+        if not is_traceable_wrapper_subclass(t):
+            raise Fallback(f"tensor subclass {type(t).__name__} without __tensor_flatten__")
+        names, meta = t.__tensor_flatten__()
+        inner, consts = [], []
+        for name in names:
+            v = getattr(t, name)
+            if not isinstance(v, torch.Tensor):  # (DTensor's mesh: kept by reference, keyed by value)
+                try:
+                    consts.append((name, v, _meta_key(v)))
+                except Unkeyable as e:
+                    raise Fallback(f"tensor subclass {type(t).__name__} whose {name} is unkeyable: {e}") from None
+                continue
+            if type(v) not in (torch.Tensor, torch.nn.Parameter):
+                raise Fallback(f"tensor subclass {type(t).__name__} whose {name} is a {type(v).__name__} (not yet)")
+            try:
+                inner.append((name, lift(v)))
+            except Unkeyable as e:
+                raise Fallback(f"tensor subclass {type(t).__name__} whose {name} is a {e}") from None
+        try:
+            meta_key = _meta_key(meta)
+        except Unkeyable as e:
+            raise Fallback(f"tensor subclass {type(t).__name__} whose flatten metadata is unkeyable: {e}") from None
+        wrappers.append(Wrapper(i, type(t), tuple(inner), tuple((n, v) for n, v, _ in consts), meta, tuple(t.shape), tuple(t.stride())))
+        keys.append(("W", i, type(t), tuple(names), meta_key, tuple(j for _, j in inner), tuple((n, k) for n, _, k in consts)))
+    return tuple(wrappers), tuple(keys)
