@@ -288,6 +288,16 @@ def test_explain_says_how_each_graph_was_traced():
     assert "traced: recorded on fakes; the live record refused: aten.mul.Tensor: a number where it takes a tensor" in text, text
 
 
+def _empty_circular_pad(seed, scope):
+    """grad() through a circular pad (CopySlices) of a tensor with no elements."""
+    torch.manual_seed(seed)
+    x = torch.randn(0, 3, 3, dtype=torch.float64, requires_grad=True)
+    y = torch.nn.functional.pad(x, (1, 2), mode="circular")
+    loss = (y * torch.randn(y.shape, dtype=y.dtype)).sum()
+    with scope:
+        return list(torch.autograd.grad(loss, [x], allow_unused=True))
+
+
 def test_an_empty_input_is_recorded_live_and_its_grad_is_a_tensor():
     """issue 36 item 2: a circular pad of a tensor with no elements. Its CopySlices' copy_ went
     into a storage with no data, whose pointer (0) every empty lifted tensor shares: the record
@@ -295,17 +305,7 @@ def test_an_empty_input_is_recorded_live_and_its_grad_is_a_tensor():
     C++ formula as a Python error with an empty message, was dropped there (NOTE [Deferred
     trace errors]): the node's grads came back undefined and the graph returned None where
     eager returns a (0, 3, 3) gradient. Recorded live now, two inputs through one entry."""
-
-    def step(seed, scope):
-        torch.manual_seed(seed)
-        x = torch.randn(0, 3, 3, dtype=torch.float64, requires_grad=True)
-        y = torch.nn.functional.pad(x, (1, 2), mode="circular")
-        loss = (y * torch.randn(y.shape, dtype=y.dtype)).sum()
-        with scope:
-            return list(torch.autograd.grad(loss, [x], allow_unused=True))
-
-    ca.reset()
-    compare(step, "eager", steps=2, captures=1, hits=1)
+    compare(_empty_circular_pad, "eager", steps=2, captures=1, hits=1)
     s = ca.stats()
     assert s.live_records == 1 and s.live_refusals == 0, s
 
@@ -317,16 +317,6 @@ def test_an_error_inside_a_formula_is_never_dropped(monkeypatch):
     error (before: the 0-element pad's grad was None, a larger one's raised a SystemError
     that ended the record by chance). The capture is traced on fakes; the grads are eager's."""
     monkeypatch.setitem(record._LIVE_RULES, torch.ops.aten.copy_.default, record.LiveRules("copy_: refused by the test", (), ()))
-
-    def step(seed, scope):
-        torch.manual_seed(seed)
-        x = torch.randn(0, 3, 3, dtype=torch.float64, requires_grad=True)
-        y = torch.nn.functional.pad(x, (1, 2), mode="circular")  # CopySlices
-        loss = (y * torch.randn(y.shape, dtype=y.dtype)).sum()
-        with scope:
-            return list(torch.autograd.grad(loss, [x], allow_unused=True))
-
-    ca.reset()
-    compare(step, "eager", steps=2, captures=1, hits=1)
+    compare(_empty_circular_pad, "eager", steps=2, captures=1, hits=1)
     s = ca.stats()
     assert s.live_records == 0 and s.live_refusals == 1, s
