@@ -36,7 +36,9 @@ one did. What a live record refuses -- and
 it refuses before the op runs, so that a refused record leaves nothing changed and the
 capture traces on fakes as before (counted in `stats().live_refusals`):
   - an op outside aten (our opaque call, a library's op), a tensor subclass, a non-strided
-    tensor;
+    tensor, a complex tensor (under a dispatch mode, as the recorder is, a formula's lazily
+    conjugated views are materialized at other points than in eager: complex linalg.lstsq's
+    grads came out in other last bits; a graph traced on fakes replays eager's);
   - a number where the op takes a tensor: a wrapped number (`x * 2.0`'s saved 2.0, a lifted
     tensor) reaches the recorder as a Python number, which would bake this backward's value
     into the graph (a wrong gradient on the next hit: tests/test_cache.py);
@@ -143,8 +145,8 @@ class Recorder(TorchDispatchMode):
     def _arg(self, a):
         if isinstance(a, torch.Tensor):
             if self.live:
-                if type(a) not in _LIVE_TYPES or a.layout != torch.strided:
-                    self._fail(f"a {type(a).__name__} of layout {a.layout}")
+                if type(a) not in _LIVE_TYPES or a.layout != torch.strided or a.is_complex():
+                    self._fail(f"a {type(a).__name__} of layout {a.layout} and dtype {a.dtype}")
                 node = self.node_of.get(a)
             else:
                 node = self.node_of.get(id(a))
@@ -254,8 +256,8 @@ def record(fn: Callable[..., Sequence[Any]], fakes: Sequence[torch.Tensor], reco
     graph = recorder.graph
     for i, f in enumerate(fakes):
         if recorder.live:
-            if type(f) not in _LIVE_TYPES or f.layout != torch.strided:
-                recorder._fail(f"input {i} is a {type(f).__name__} of layout {f.layout}")
+            if type(f) not in _LIVE_TYPES or f.layout != torch.strided or f.is_complex():
+                recorder._fail(f"input {i} is a {type(f).__name__} of layout {f.layout} and dtype {f.dtype}")
             ptr = f.untyped_storage().data_ptr()
             if ptr:  # (an empty storage has none: nothing to write into, and every one is 0)
                 recorder.storages.add(ptr)
