@@ -41,6 +41,82 @@ class Model(nn.Module):
         return self.head(x.mean(1))
 
 
+class Attention(nn.Module):
+    """Causal self-attention written for tensor parallelism: q, k and v colwise, the output
+    projection rowwise; `view(b, s, -1, hd)` takes the heads this rank holds."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.hd = d // heads
+        self.wq, self.wk, self.wv = (nn.Linear(d, d, bias=False) for _ in range(3))
+        self.wo = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, -1, self.hd).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        o = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d, ff):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(d, ff), nn.Linear(ff, d)
+
+    def forward(self, x):
+        return self.w2(nn.functional.gelu(self.w1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads, ff):
+        super().__init__()
+        self.norm1, self.attn, self.norm2, self.ffn = nn.LayerNorm(d), Attention(d, heads), nn.LayerNorm(d), FeedForward(d, ff)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.ffn(self.norm2(x))
+
+
+class TPModel(nn.Module):
+    """A small decoder (pre-norm blocks, a vocabulary head) for --wrap tp and fsdp2+tp: its
+    input is a sequence of d-vectors, its output per-position logits."""
+
+    def __init__(self, d=64, heads=4, layers=2, ff=128, vocab=32):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, heads, ff) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))
+
+
+def parallelize(model, mesh, sequence_parallel=False, loss_parallel=False):
+    """Megatron-style tensor parallelism over `mesh` (1-D): attention and feed-forward colwise
+    then rowwise; with `sequence_parallel`, the LayerNorms and the residual stream sharded on
+    the sequence (the input is then this rank's slice of the sequence); with `loss_parallel`,
+    the logits stay sharded on the vocabulary for `loss_parallel()`'s cross entropy."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module
+
+    sp = sequence_parallel
+    plan = {f"{m}.{w}": ColwiseParallel() for m, w in (("attn", "wq"), ("attn", "wk"), ("attn", "wv"), ("ffn", "w1"))}
+    rowwise = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
+    plan |= {"attn.wo": RowwiseParallel(**rowwise), "ffn.w2": RowwiseParallel(**rowwise)}
+    if sp:
+        plan |= {"norm1": SequenceParallel(), "norm2": SequenceParallel()}
+        plan |= {m: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)) for m in ("attn", "ffn")}
+    for b in model.blocks:
+        parallelize_module(b, mesh, plan)
+    head = dict(input_layouts=Shard(1) if sp else Replicate())
+    head |= dict(output_layouts=Shard(-1), use_local_output=False) if loss_parallel else dict(output_layouts=Replicate())
+    top = {"head": ColwiseParallel(**head)}
+    if sp:
+        top |= {"blocks.0": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),)), "norm": SequenceParallel()}
+    return parallelize_module(model, mesh, top)
+
+
 def wrap(model, args):
     if args.wrap == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP

@@ -4,6 +4,7 @@ at every step, no eager fallback, no capture after the first steps."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import gc
@@ -31,6 +32,41 @@ def _model(kind):
         layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
         return torch.nn.Sequential(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), torch.nn.Linear(16, 4))
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def _tp_model(job, world):
+    """examples/distributed.py's TP decoder, tensor parallel over a 1-D mesh of every rank, or
+    over the "tp" dim of a (world/2, 2) mesh whose "dp" dim FSDP2 shards (fsdp2+tp)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from examples.distributed import TPModel, parallelize
+
+    torch.manual_seed(0)
+    model = TPModel(d=16, heads=4, layers=2, ff=32, vocab=12)
+    if job["kind"] == "fsdp2+tp":
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        tp = mesh["tp"]
+    else:
+        mesh = tp = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    parallelize(model, tp, sequence_parallel=job.get("sp", False), loss_parallel=job.get("loss_parallel", False))
+    if job["kind"] == "fsdp2+tp":
+        from torch.distributed.fsdp import fully_shard
+
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    return model, tp
+
+
+def _tp_batch(job, step, tp):
+    """The same batch on every rank of a TP group (its dp rank's); with sequence parallelism,
+    this rank's slice of the sequence (the labels stay whole)."""
+    dp_rank = dist.get_rank() // tp.size()
+    torch.manual_seed(100 * step + dp_rank)
+    x, y = torch.randn(4, 8, 16), torch.randint(0, 12, (4, 8))
+    if job.get("sp"):
+        x = x.chunk(tp.size(), dim=1)[tp.get_local_rank()]
+    return x, y
 
 
 def _wrap(model, job):
@@ -76,25 +112,34 @@ def _rank(rank, world, port, job, out_dir):
     faulthandler.enable(file=stacks, all_threads=True)  # (and on a crash: where it was)
     faulthandler.dump_traceback_later(45, file=stacks)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), COMPILED_AUTOGRAD_DISK_CACHE="0")
+    tp_job = job["kind"] in ("tp", "fsdp2+tp")
+    if tp_job:
+        os.environ["COMPILED_AUTOGRAD_SUBCLASSES"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     import compiled_autograd as ca
 
     try:
-        models = [_wrap(_model(job["model"]), job) for _ in range(2)]  # eager, compiled
+        if tp_job:
+            models, tps = zip(*(_tp_model(job, world) for _ in range(2)))
+        else:
+            models = [_wrap(_model(job["model"]), job) for _ in range(2)]  # eager, compiled
         opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
         problems = []
         for step in range(job.get("steps", 5)):
             torch.manual_seed(100 * step + rank)
-            x = torch.randn(4, 6, 16) if job["model"] == "transformer" else torch.randn(8, 16)
+            if tp_job:
+                x, y = _tp_batch(job, step, tps[0])
+            else:
+                x = torch.randn(4, 6, 16) if job["model"] == "transformer" else torch.randn(8, 16)
             for compiled, (model, opt) in enumerate(zip(models, opts)):
                 sync = job.get("no_sync") and step % 2 == 0
                 ctx = model.no_sync() if sync else torch.enable_grad()
-                with ctx:
+                with ctx, _loss_parallel(job):
                     out = model(x)
                     if job.get("unused"):
                         out = out[..., :2]
-                    loss = out.float().pow(2).mean()
+                    loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()) if tp_job else out.float().pow(2).mean()
                     with ca.enable("aot_eager") if compiled else torch.enable_grad():
                         loss.backward()
                 if not sync:
@@ -123,6 +168,14 @@ def _rank(rank, world, port, job, out_dir):
         ca.reset()
         gc.collect()
         dist.destroy_process_group()
+
+
+def _loss_parallel(job):
+    if not job.get("loss_parallel"):
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def run_job(job, world=2):
@@ -161,6 +214,10 @@ JOBS = {
     "fsdp2": dict(kind="fsdp2", model="mlp"),
     "fsdp2 no reshard": dict(kind="fsdp2", model="mlp", options=dict(reshard_after_forward=False)),
     "fsdp2 transformer bf16": dict(kind="fsdp2", model="transformer", options=dict(bf16=True)),
+    "tp": dict(kind="tp"),
+    "tp sequence parallel": dict(kind="tp", sp=True),
+    "tp loss_parallel": dict(kind="tp", sp=True, loss_parallel=True),
+    "fsdp2+tp": dict(kind="fsdp2+tp"),
 }
 
 
@@ -172,8 +229,10 @@ def test_distributed_job_matches_eager(name, world):
     steps: the last three steps are hits."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("no gloo")
-    if world == 4 and name not in ("ddp", "fsdp2", "fsdp2 transformer bf16"):
+    if world == 4 and name not in ("ddp", "fsdp2", "fsdp2 transformer bf16", "fsdp2+tp"):
         pytest.skip("4 ranks: the plain jobs only (time)")
+    if name == "fsdp2+tp" and world != 4:
+        pytest.skip("fsdp2+tp: a (2, 2) mesh")
     results = run_job(JOBS[name], world)
     for rank, r in enumerate(results):
         s = r["stats"]

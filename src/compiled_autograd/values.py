@@ -304,6 +304,34 @@ class Slot(NamedTuple):
     n_watch: int = 0
     # the node in whose step the call runs (an UNPACK call's: the node that unpacks)
     at: int = -1
+    # tensor subclass arguments passed as their inner tensors, rebuilt before the call: a
+    # (position, SubclassSpec) per subclass argument (docs/design/subclasses.md section 5)
+    rebuild: tuple = ()
+
+
+class SubclassSpec(NamedTuple):
+    """How to rebuild a traceable wrapper subclass (DTensor, a user's) from its inner tensors:
+    `type.__tensor_unflatten__` with the metadata its `__tensor_flatten__` gave at trace time."""
+
+    type: type
+    names: tuple  # its inner tensors' attribute names, in the order they are passed
+    consts: tuple  # (attribute name, object) per inner attribute that is not a tensor (DTensor's mesh)
+    meta: Any
+    size: tuple  # its outer size and stride
+    stride: tuple
+
+    @classmethod
+    def of(cls, t) -> tuple["SubclassSpec", list]:
+        """(t's spec, its inner tensors)."""
+        names, meta = t.__tensor_flatten__()
+        attrs = [(n, getattr(t, n)) for n in names]
+        inner = [x for _, x in attrs if isinstance(x, torch.Tensor)]
+        spec = cls(type(t), tuple(n for n, x in attrs if isinstance(x, torch.Tensor)),
+                   tuple((n, x) for n, x in attrs if not isinstance(x, torch.Tensor)), meta, tuple(t.shape), tuple(t.stride()))
+        return spec, inner
+
+    def rebuild(self, inner):
+        return self.type.__tensor_unflatten__(dict(zip(self.names, inner)) | dict(self.consts), self.meta, self.size, self.stride)
 
 
 class CallHow(enum.IntEnum):
@@ -391,10 +419,9 @@ class Plan:
     # first run], capture/resume.py)
     resume: tuple = ()
     result_calls: tuple = ()
-    # (result index, type, inner tensor names, inner non-tensors (name, object), flatten
-    # metadata, outer size, outer stride) per result
-    # that is a tensor subclass: its inner tensors are the results from that index on, rebuilt
-    # before the results are applied (docs/design/subclasses.md section 4)
+    # (result index, SubclassSpec) per result that is a tensor subclass: its inner tensors are
+    # the results from that index on, rebuilt before the results are applied
+    # (docs/design/subclasses.md section 4)
     wrapped: tuple = ()
     # the lifted indices of tensor subclasses: the graph reads their inner tensors, not them, and
     # gets an empty tensor there (replay/run.py stand_in), never the subclass itself, which a

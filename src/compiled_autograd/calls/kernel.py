@@ -195,6 +195,9 @@ def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
         if torch.is_grad_enabled() != capture.grad_mode:
             torch._C._set_grad_enabled(capture.grad_mode)
     before = [args[i]._version if args[i] is not None else 0 for i in shared]
+    flat = args
+    if s.rebuild:  # tensor subclass arguments, passed as their inner tensors (Slot.rebuild)
+        args = _rebuild(args, s.rebuild, in_flags)
     if in_flags:
         # the last argument says which arguments are defined: an undefined grad
         # reached the graph as zeros (NOTE [Undefined grads of opaque nodes]),
@@ -222,7 +225,7 @@ def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
         if ctx and slot in ctx:
             _check_ctx(ctx[slot])
         for i, v in zip(shared, before):
-            if args[i] is not None and args[i]._version != v:
+            if flat[i] is not None and flat[i]._version != v:
                 _shared_modified_error(kind, capture, node)
         if releases and slot in releases:
             capture.release_nodes(releases[slot])
@@ -235,6 +238,21 @@ def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
     finally:
         for k, excluded in undo:
             torch._C._dispatch_tls_set_dispatch_key_excluded(k, excluded)
+
+
+def _rebuild(flat, rebuild, in_flags) -> list:
+    """A call's arguments with each subclass rebuilt from its inner tensors (Slot.rebuild);
+    with `in_flags`, the definedness flags stay last."""
+    flags = [flat[-1]] if in_flags else []
+    flat = flat[:-1] if in_flags else flat
+    out, k = [], 0
+    for i, spec in rebuild:
+        while len(out) < i:
+            out.append(flat[k])
+            k += 1
+        out.append(spec.rebuild(flat[k : k + len(spec.names)]))
+        k += len(spec.names)
+    return out + list(flat[k:]) + flags
 
 
 def check_hooks_added(capture, kind, node) -> None:

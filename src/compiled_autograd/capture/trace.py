@@ -45,10 +45,10 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .. import config
-from ..errors import NeedsOpaque, NotTwiceDifferentiable
+from ..errors import Fallback, NeedsOpaque, NotTwiceDifferentiable
 from ..nodes import FAMILIES, accumulate, builtin, hooks, opaque, saved_tensors
 from ..calls import protocol
-from ..values import Collected, OutputMeta, Plan, Slot
+from ..values import Collected, OutputMeta, Plan, Slot, SubclassSpec
 from ..observe.stats import LOCK, STATS
 from .fakes import fake_inputs
 from .record import Recorder, record
@@ -102,18 +102,12 @@ class _BackwardTracer:
         if v is None:
             return -1, -1
         r = len(self.results)
-        if self.c.wrappers and is_traceable_wrapper_subclass(v.t):
+        if is_traceable_wrapper_subclass(v.t):
             # a subclass result: its inner tensors are graph results from r on, and replay/run.py
             # rebuilds it with the metadata the trace's dispatch gave it (docs/design/subclasses.md
             # section 4)
-            names, meta = v.t.__tensor_flatten__()
-            attrs = [(n, getattr(v.t, n)) for n in names]
-            names = tuple(n for n, x in attrs if isinstance(x, torch.Tensor))
-            inner = [x for _, x in attrs if isinstance(x, torch.Tensor)]
-            consts = tuple((n, x) for n, x in attrs if not isinstance(x, torch.Tensor))  # (DTensor's mesh)
-            if any(is_traceable_wrapper_subclass(x) for x in inner):
-                raise RuntimeError("compiled_autograd: a subclass result with a subclass inside (not yet)")
-            self.wrapped.append((r, type(v.t), names, consts, meta, tuple(v.t.shape), tuple(v.t.stride())))
+            spec, inner = self._flatten(v.t)
+            self.wrapped.append((r, spec))
             self.results.extend(inner)
             self.unconsumed.extend(inner)
         else:
@@ -125,6 +119,13 @@ class _BackwardTracer:
         return r, len(self.results) - 1
 
     _defined = staticmethod(defined)
+
+    @staticmethod
+    def _flatten(t) -> tuple[SubclassSpec, list]:
+        spec, inner = SubclassSpec.of(t)
+        if any(is_traceable_wrapper_subclass(x) for x in inner):
+            raise Fallback(f"tensor subclass {type(t).__name__} with a subclass inside (not yet: docs/design/subclasses.md)")
+        return spec, inner
 
     def _defined_each(self, values):
         """Per value (None counts as defined: the call gets None anyway), whether it is defined."""
@@ -147,11 +148,27 @@ class _BackwardTracer:
         undefined (it carries flags), the call also gets each argument's
         definedness, and passes None for an undefined one, as eager would."""
         mask = tuple(m is not None for m in out_metas)
+        rebuild = ()
+        if any(is_traceable_wrapper_subclass(a) for a in args):
+            # a subclass argument is passed as its inner tensors, and rebuilt before the call
+            # (Slot.rebuild); one whose outputs would be subclasses too is not traced yet
+            if any(mask):
+                raise Fallback(f"tensor subclass passed to a {kind.replace('_', ' ')} call that returns grads "
+                               "(not yet: docs/design/subclasses.md)")
+            flat, rebuild = [], []
+            for i, a in enumerate(args):
+                if is_traceable_wrapper_subclass(a):
+                    spec, inner = self._flatten(a)
+                    rebuild.append((i, spec))
+                    flat += inner
+                else:
+                    flat.append(a)
+            args, rebuild = flat, tuple(rebuild)
         slot = len(self.slots)
         in_flags = values is not None and any(v is not None and v.bits is not None for v in values)
         if in_flags:
             args = list(args) + [self._defined_each(values)]
-        self.slots.append(Slot(kind, node, mask, in_flags, at=self.at))
+        self.slots.append(Slot(kind, node, mask, in_flags, at=self.at, rebuild=rebuild))
         if self.resumable and kind in resume.KINDS and any(mask):
             point = resume.held(self, slot, kind)
             if point is not None:

@@ -245,6 +245,7 @@ struct CollectedGraph {
   py::object node_object(size_t idx) const;
   py::list roots();
   py::list input_metadata(size_t idx) const;
+  py::list subclass_inputs(size_t idx) const;
   py::list pynode_output_info(size_t idx) const;
   py::tuple pynode_flags(size_t idx) const;
 

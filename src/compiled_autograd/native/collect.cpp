@@ -858,6 +858,20 @@ py::list CollectedGraph::roots() {
   return out;
 }
 
+// the inputs of node idx whose grads are tensor subclasses (their metadata says so: a DTensor's,
+// whose shape is the global one); a call that would return one is refused (docs/design/subclasses.md)
+py::list CollectedGraph::subclass_inputs(size_t idx) const {
+  py::list out;
+  auto& fn = nodes_.at(idx).fn;
+  for (uint32_t i = 0; i < fn->num_inputs(); ++i) {
+    const auto& m = fn->input_metadata(i);
+    if (!m.was_default_constructed() && m.is_tensor_subclass()) {
+      out.append(i);
+    }
+  }
+  return out;
+}
+
 // (metadata of each input of node idx): (shape, dtype, device) or None
 py::list CollectedGraph::input_metadata(size_t idx) const {
   py::list out;

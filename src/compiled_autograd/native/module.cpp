@@ -68,6 +68,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("accumulated_grads", &GraphCapture::accumulated_grads)
       .def("roots", &GraphCapture::roots)
       .def("input_metadata", &GraphCapture::input_metadata)
+      .def("subclass_inputs", &GraphCapture::subclass_inputs)
       .def("take_saved_hooks", &GraphCapture::take_saved_hooks)
       .def("hand_over", &GraphCapture::hand_over)
       .def("hand_over_saved", &GraphCapture::hand_over_saved)

@@ -74,6 +74,7 @@ struct SlotField {
   static constexpr size_t SHARED = 6;
   static constexpr size_t N_WATCH = 7;
   static constexpr size_t AT = 8;
+  static constexpr size_t REBUILD = 9;
 };
 
 // protocol.ReplayFrame: the context of one compiled graph run, by position

@@ -206,7 +206,8 @@ def trace(t, idx, values, args):
     the backward AOTAutograd made: nodes/compiled_region.py)."""
     if not t.c.pynodes[idx].flags[0] and any(v is not None and v.bits is not None for v in values):
         # its backward sees None for an undefined grad, and may branch on it
-        raise NeedsOpaque(idx, "set_materialize_grads(False) and a grad that may be None at run time")
+        if not _none_in_none_out(t.capture.node_object(idx)._forward_cls, values):
+            raise NeedsOpaque(idx, "set_materialize_grads(False) and a grad that may be None at run time")
     out = trace_backward(t, idx, [v.t if v is not None else None for v in values], args)
     # the trace read this ctx's attributes, and the globals and closures its backward
     # reads, as they were when the backward started; the last call before it checks
@@ -216,6 +217,25 @@ def trace(t, idx, values, args):
     if last is not None and (vars(node) or state_reads(node._forward_cls)):
         t.ctx_checks.setdefault(last, []).append(idx)
     return out
+
+
+# NOTE [Functions whose backward maps None to None]
+# A Function that turns off materialized grads sees None for an undefined grad, and may
+# branch on it: traced, its backward would take one branch for good, so it runs opaquely
+# where its grad may be undefined at run time. These torch Functions of one grad return None
+# for every input when that grad is None, and otherwise their traced computation: traced on
+# the grad's stand-in (zeros with a flag, NOTE [Undefined grads of opaque nodes]), their
+# results carry the grad's definedness flags (the tracer's `in_bits`), exactly eager's
+# outputs. DTensor's to_local() and from_local() boundaries are here: under FSDP2 + TP their
+# grads come from hooks' calls, whose outputs may be undefined.
+NONE_IN_NONE_OUT = frozenset({
+    "torch.distributed.tensor._api._ToTorchTensor",
+    "torch.distributed.tensor._api._FromTorchTensor",
+})
+
+
+def _none_in_none_out(cls, values) -> bool:
+    return sum(v is not None for v in values) == 1 and f"{cls.__module__}.{cls.__qualname__}" in NONE_IN_NONE_OUT
 
 
 def trace_backward(t, idx, grads, args):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import Fallback
 from ..values import CallHow, NodeFamily, NodeKind, OutputMeta, SlotKind
 from . import compiled_region
 from .grads import Value
@@ -44,6 +45,10 @@ def reason(t, idx) -> str:
 
 def trace(t, idx, values):
     edges, edge_sizes = t.nodes[idx].edges, t.nodes[idx].edge_sizes
+    if any(to >= 0 and nr in t.capture.subclass_inputs(to) for to, nr in edges):
+        # (a grad that is a tensor subclass, returned by a node the graph does not trace:
+        # passed by reference, docs/design/subclasses.md section 5, not yet)
+        raise Fallback(f"tensor subclass returned by {t.capture.node_name(idx)}, opaque: {reason(t, idx)} (not yet: docs/design/subclasses.md)")
     metas = []
     for k, ((to, nr), pos) in enumerate(zip(edges, edge_sizes)):
         m = None

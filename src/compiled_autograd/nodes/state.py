@@ -68,7 +68,35 @@ def _value_key(v, lift, user: bool = True):
         return ("fn", v, values)
     if isinstance(v, _BY_IDENTITY):
         return ("id", v)
+    key = _distributed_key(v, lift, user)
+    if key is not None:
+        return key
     raise Unkeyable(f"ctx.{type(v).__name__} value")
+
+
+def _distributed_key(v, lift, user):
+    """NOTE [Keys of a tensor subclass's metadata]
+    What DTensor's flatten metadata and its own custom Functions' ctx hold (DTensorSpec,
+    TensorMeta, placements, the DeviceMesh), and a user's subclass metadata made of
+    dataclasses, keyed by value (docs/design/subclasses.md section 6): a dataclass by its
+    compared fields; a placement (C++ objects in 2.13, hashable and equal by value) as
+    itself; a DeviceMesh by what a graph bakes in of it: its ranks, its shape, its dim names
+    and the process groups' names (the functional collectives' `group_name` argument). Named
+    tuples (TensorMeta, ShardOrderEntry) are tuples above. The object itself stays by
+    reference in the trace (the mesh is not a tensor the graph could hold). None: not one of
+    these."""
+    import dataclasses
+
+    t = type(v)
+    module = getattr(t, "__module__", "") or ""
+    if dataclasses.is_dataclass(v):
+        return ("dc", t, tuple((f.name, _value_key(getattr(v, f.name), lift, user)) for f in dataclasses.fields(v) if f.compare))
+    if module.startswith("torch.distributed.tensor.placement_types"):
+        return ("placement", v)
+    if t.__name__ == "DeviceMesh" and module.startswith("torch.distributed"):
+        groups = tuple(v.get_group(d).group_name for d in range(v.ndim))
+        return ("mesh", v.device_type, tuple(v.mesh.flatten().tolist()), tuple(v.mesh.shape), v.mesh_dim_names, groups)
+    return None
 
 
 # NOTE [Python state a backward reads]

@@ -129,8 +129,8 @@ def check_outputs(key, entry: CompiledBackward, capture, results: list, sizes: t
 def apply(entry: CompiledBackward, capture, results: list):
     """Apply a graph's results with eager semantics; return grad()'s results."""
     plan = entry.plan
-    for r, typ, names, consts, meta, size, stride in plan.wrapped:  # (docs/design/subclasses.md section 4)
-        results[r] = typ.__tensor_unflatten__({**dict(zip(names, results[r : r + len(names)])), **dict(consts)}, meta, size, stride)
+    for r, spec in plan.wrapped:  # (docs/design/subclasses.md section 4)
+        results[r] = spec.rebuild(results[r : r + len(spec.names)])
     acc = []
     for node, r, f in plan.accumulate:
         if f < 0 or bool(results[f]):

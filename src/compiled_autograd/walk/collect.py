@@ -88,8 +88,8 @@ def collect(capture, run_unpack_hooks: bool = True, keep_graph: bool = True) -> 
     wrapped = capture.wrapped()
     if wrapped and not precheck.SUBCLASSES:
         raise Fallback("tensor subclass")
-    if wrapped and (saved_hooks or pynode_indices):
-        raise Fallback("tensor subclass with saved-tensor hooks or custom Functions (not yet: docs/design/subclasses.md)")
+    if wrapped and saved_hooks:
+        raise Fallback("tensor subclass with saved-tensor hooks (not yet: docs/design/subclasses.md)")
     if not saved_hooks and not pynode_indices and not wrapped:
         lifted = capture.lifted()
         return Collected(
@@ -183,9 +183,6 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
         n_aot=len(aot_ints),
         wrappers=wrappers,
     )
-    if wrappers and any(n.execute and (n.opaque or n.hooks.any) for n in collected.nodes):
-        # (a call's arguments and outputs would need rebuild specs: docs/design/subclasses.md, step 4)
-        raise Fallback("tensor subclass with hooks or opaque nodes (not yet: docs/design/subclasses.md)")
     return collected
 
 

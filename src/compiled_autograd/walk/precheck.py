@@ -3,6 +3,8 @@ process state a traced formula may branch on (part of the key)."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode, is_traceable_wrapper_subclass
 
@@ -25,7 +27,25 @@ def global_state() -> tuple:
         torch.are_deterministic_algorithms_enabled(),
         torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None,
         torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None,
+        _dtensor_state(),
     )
+
+
+def _dtensor_state():
+    """What DTensor's sharding propagation branches on besides the specs a graph keys: implicit
+    replication (`implicit_replication()`) and the custom op handlers (`loss_parallel()` swaps
+    cross entropy's rules in); None until DTensor is imported (docs/design/subclasses.md, Risks)."""
+    api = sys.modules.get("torch.distributed.tensor._api")
+    if api is None:
+        return None
+    ops = tuple(api.DTensor._op_dispatcher._custom_op_handlers)
+    names = _HANDLER_NAMES.get(ops)
+    if names is None:  # (by name, sorted: the disk key's text is the same in every process)
+        names = _HANDLER_NAMES[ops] = tuple(sorted(map(str, ops)))
+    return (torch._C._get_dtensor_allow_implicit_replication(), names)
+
+
+_HANDLER_NAMES: dict = {}
 
 
 def _is_edge(e) -> bool:

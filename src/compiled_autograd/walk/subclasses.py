@@ -39,21 +39,8 @@ def _no_tensor(t):
 
 
 def _meta_key(v):
-    """The key of a subclass's flatten metadata or of an inner attribute that is not a tensor:
-    _value_key's; frozen dataclasses, named tuples (TensorMeta, ShardOrderEntry) and DTensor's
-    placements by value; a DeviceMesh by what a graph bakes in of it: its ranks, dim names and process group names
-    (the funcol ops' group_name) (docs/design/subclasses.md section 1)."""
-    import dataclasses
-
-    if dataclasses.is_dataclass(v) and not isinstance(v, type) and v.__dataclass_params__.frozen:
-        return ("dc", type(v), tuple((f.name, _meta_key(getattr(v, f.name))) for f in dataclasses.fields(v)))
-    if type(v).__module__.startswith("torch.distributed.tensor.placement_types"):
-        return ("placement", v)  # (C++ objects in 2.13, hashable and equal by value)
-    if type(v).__name__ == "DeviceMesh" and type(v).__module__.startswith("torch.distributed"):
-        groups = tuple(v.get_group(d).group_name for d in range(v.ndim))
-        return ("mesh", v.device_type, tuple(v.mesh.flatten().tolist()), tuple(v.mesh.shape), v.mesh_dim_names, groups)
-    if type(v) is tuple or type(v) is list or (isinstance(v, tuple) and hasattr(v, "_fields")):
-        return (type(v), tuple(_meta_key(x) for x in v))
+    """The key of a subclass's flatten metadata or of an inner attribute that is not a tensor
+    (DTensor's mesh): by value (NOTE [Keys of a tensor subclass's metadata], nodes/state.py)."""
     return value_key(v, _no_tensor, user=True)
 
 
