@@ -53,8 +53,8 @@ COMPILE_AFTER = EnvVar("COMPILED_AUTOGRAD_COMPILE_AFTER", "20", "seconds of trai
 COMPILE_SHARE = EnvVar("COMPILED_AUTOGRAD_COMPILE_SHARE", "0.5", "the share of the time a starved compile gets after COMPILE_AFTER")
 FINISH_AFTER_EXIT = EnvVar("COMPILED_AUTOGRAD_FINISH_AFTER_EXIT", "300", "seconds a child compile still running at exit "
                            "may go on after it (0: stopped at exit; NOTE [A compile finished after exit])")
-SUBCLASSES = EnvVar("COMPILED_AUTOGRAD_SUBCLASSES", "0", "1: tensor subclasses among the lifted tensors are flattened and "
-                   "compiled (a prototype: docs/design/subclasses.md)")
+SUBCLASSES = EnvVar("COMPILED_AUTOGRAD_SUBCLASSES", "1", "0: a backward with a traceable wrapper subclass (DTensor, a user's) "
+                   "runs in eager autograd, instead of its subclasses flattened and traced through (docs/design/subclasses.md)")
 ENVIRONMENT = (DISK_CACHE, GRAPH_DIR, GRAPH_DIR_MAX_BYTES, CACHE_DIR, XDG_CACHE_HOME, LOG, RECORD, RECORD_LIVE, LINT, UNTESTED_TORCH,
                COMPILE_NICE, EXIT_WAIT, COMPILE_PROCESS, CHILD_NICE, COMPILE_AFTER, COMPILE_SHARE, FINISH_AFTER_EXIT, SUBCLASSES)
 

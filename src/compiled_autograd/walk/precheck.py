@@ -12,10 +12,9 @@ from .. import config
 from ..observe.stats import STATS
 
 
-# Traceable wrapper subclasses (DTensor, a user's) flattened into their inner tensors and
-# compiled: the prototype of docs/design/subclasses.md step 1, off unless
-# COMPILED_AUTOGRAD_SUBCLASSES=1: the prototype of docs/design/subclasses.md (tests set SUBCLASSES)
-SUBCLASSES = config.SUBCLASSES.read() == "1"
+# Traceable wrapper subclasses (DTensor, a user's) flattened into their inner tensors and traced
+# through their __torch_dispatch__ (docs/design/subclasses.md), unless COMPILED_AUTOGRAD_SUBCLASSES=0
+SUBCLASSES = config.SUBCLASSES.read() != "0"
 
 
 def global_state() -> tuple:
