@@ -1,6 +1,7 @@
-"""Step time of DDP and FSDP2 training: eager, ours and torch's built-in compiled autograd.
+"""Step time of DDP, FSDP2 and tensor-parallel training (TP, TP with sequence parallelism, FSDP2 + TP
+on a (world/2, 2) mesh): eager, ours and torch's built-in compiled autograd.
 
-    python -m benchmarks.distributed [--worlds 2,4] [--wraps ddp,fsdp2] [--backend inductor]
+    python -m benchmarks.distributed [--worlds 2,4] [--wraps ddp,fsdp2,tp,tp+sp,fsdp2+tp] [--backend inductor]
                                      [--steps 20] [--out docs/bench/distributed]
 
 Each (world, wrap) job runs `world` ranks on loopback (gloo). Every rank builds one copy of a
@@ -37,18 +38,47 @@ MODES = ("eager", "ours", "torch-ca")
 WRONG_GRADS = 1e-2  # a mode's grads further from eager's than this (relative) are wrong, not rounding
 
 
-def _model():
+TP_WRAPS = ("tp", "tp+sp", "fsdp2+tp")
+
+
+def _model(wrap="ddp"):
     import torch
 
-    from examples.distributed import Model  # (the torchrun example's model, larger)
+    from examples.distributed import Model, TPModel  # (the torchrun example's models, larger)
 
     torch.manual_seed(0)
+    if wrap in TP_WRAPS:
+        return TPModel(d=128, heads=4, layers=4, ff=256, vocab=64)
     return Model(d=128, heads=4, layers=4, ff=256)
+
+
+def _tp_mesh(wrap):
+    """(the mesh FSDP2 shards, or None; the TP mesh): every rank on TP, or (world/2, 2) for fsdp2+tp."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if wrap == "fsdp2+tp":
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        return mesh["dp"], mesh["tp"]
+    return None, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
 
 
 def _wrap(model, wrap, mode):
     import torch
 
+    if wrap in TP_WRAPS:
+        from examples.distributed import parallelize
+
+        dp, tp = _tp_mesh(wrap)
+        parallelize(model, tp, sequence_parallel=wrap == "tp+sp")
+        if dp is not None:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model.blocks:
+                fully_shard(block, mesh=dp)
+            fully_shard(model, mesh=dp)
+        return model
     if wrap == "ddp":
         import torch._dynamo
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -89,7 +119,8 @@ def _rank(rank, world, port, job, out_dir):
 
     native.load()
     contexts = _contexts(job["backend"])
-    models = {m: _wrap(_model(), job["wrap"], m) for m in job["modes"]}
+    models = {m: _wrap(_model(job["wrap"]), job["wrap"], m) for m in job["modes"]}
+    tp_size = 2 if job["wrap"] == "fsdp2+tp" else world
     opts = {m: torch.optim.AdamW(models[m].parameters(), lr=1e-3) for m in models}
     times = {m: [] for m in models}
     errors = {}
@@ -100,12 +131,22 @@ def _rank(rank, world, port, job, out_dir):
         # (a collective for a DTensor: every rank runs the modes in the same order)
         return None if g is None else (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().float().clone()
 
+    def batch(i):
+        if job["wrap"] not in TP_WRAPS:
+            torch.manual_seed(1000 * i + rank)
+            return torch.randn(16, 32, 128), torch.randint(0, 8, (16,))
+        torch.manual_seed(1000 * i + rank // tp_size)  # (one batch per TP group)
+        x, y = torch.randn(16, 32, 128), torch.randint(0, 64, (16, 32))
+        if job["wrap"] == "tp+sp":  # (this rank's slice of the sequence)
+            x = x.chunk(tp_size, dim=1)[rank % tp_size]
+        return x, y
+
     def step(mode, i):
-        torch.manual_seed(1000 * i + rank)
-        x, y = torch.randn(16, 32, 128), torch.randint(0, 8, (16,))
+        x, y = batch(i)
         dist.barrier()
         t0 = time.perf_counter()
-        loss = torch.nn.functional.cross_entropy(models[mode](x), y)
+        out = models[mode](x)
+        loss = torch.nn.functional.cross_entropy(out.flatten(0, 1) if out.dim() == 3 else out, y.flatten() if y.dim() == 2 else y)
         with contexts[mode]():
             loss.backward()
         opts[mode].step()

@@ -1,22 +1,32 @@
-"""Distributed training with a compiled backward: DDP or FSDP2, launched with torchrun.
+"""Distributed training with a compiled backward: DDP, FSDP2, tensor parallel (TP) or FSDP2 + TP,
+launched with torchrun.
 
     torchrun --nproc-per-node 2 examples/distributed.py --wrap ddp
     torchrun --nproc-per-node 2 examples/distributed.py --wrap fsdp2 --bf16 --check
     torchrun --nproc-per-node 4 examples/distributed.py --wrap ddp --static-graph --timeline
+    torchrun --nproc-per-node 2 examples/distributed.py --wrap tp --sequence-parallel --check --timeline
+    torchrun --nproc-per-node 4 examples/distributed.py --wrap fsdp2+tp --check
 
-Each rank trains a small transformer on its own synthetic batches; the backward runs under
-`compiled_autograd.enable(BACKEND)`. DDP's bucket allreduces and FSDP2's all-gathers and
-reduce-scatters are started by their hooks from inside the compiled graph, as in eager.
+Each rank trains a small transformer on synthetic batches (its own; under TP, its TP group's);
+the backward runs under `compiled_autograd.enable(BACKEND)`. DDP's bucket allreduces and FSDP2's
+all-gathers and reduce-scatters are started by their hooks from inside the compiled graph, as in
+eager. Under TP the parameters are DTensors: their collectives (the all-reduces of rowwise
+layers' input grads, sequence parallelism's all-gathers and reduce-scatters) are functional
+collectives inside the compiled graph, where DTensor issues them in eager. fsdp2+tp shards a
+(world/2, 2) mesh: FSDP2 on its first dim, TP on its second.
 
 --check     also trains an eager copy side by side; grads and parameters compared bitwise
             (use --backend aot_eager or eager: inductor's fused kernels round differently)
---timeline  when each gradient collective was launched, as a fraction of its backward: those
-            before 100% overlap the rest of the backward
+--timeline  DDP, FSDP2: when each gradient collective was launched, as a fraction of its
+            backward (those before 100% overlap the rest of it); TP: the collectives eager's
+            backward issued and those of the compiled graph, in order, each at its position
+            among the backward's ops
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -157,9 +167,78 @@ def full(t):
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
+COLLECTIVES = {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast"}
+
+
+class EagerCollectives(torch.utils._python_dispatch.TorchDispatchMode):
+    """--timeline under TP: the functional collectives an eager backward issues, each with its
+    position among the backward's ops. DTensor ops are let through to DTensor's dispatch
+    (NotImplemented), whose ops on local tensors come back here."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.collectives = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
+
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented
+        if func.namespace == "_c10d_functional" and func._opname in COLLECTIVES:
+            self.collectives.append((func._opname, tuple(args[0].shape), self.ops))
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def graph_collectives(gm):
+    """The functional collectives of a compiled backward's graph, in its order, each with its
+    position among the graph's ops."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    return [(n.target._opname, tuple(n.args[0].meta["val"].shape), i) for i, n in enumerate(nodes)
+            if getattr(n.target, "namespace", None) == "_c10d_functional" and n.target._opname in COLLECTIVES], len(nodes)
+
+
+def build(args, world):
+    """The model of --wrap, wrapped; and the TP mesh (None without TP)."""
+    torch.manual_seed(0)
+    if args.wrap in ("ddp", "fsdp2"):
+        return wrap(Model(), args), None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = TPModel()
+    if args.wrap == "fsdp2+tp":
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        tp = mesh["tp"]
+    else:
+        mesh = tp = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    parallelize(model, tp, sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel)
+    if args.wrap == "fsdp2+tp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    return model, tp
+
+
+def batch(args, step, rank, tp):
+    """(input, labels): under TP, the same on every rank of a TP group (with sequence
+    parallelism, this rank's slice of the sequence)."""
+    if tp is None:
+        torch.manual_seed(1000 * step + rank)
+        return torch.randn(args.batch, 16, 64), torch.randint(0, 8, (args.batch,))
+    torch.manual_seed(1000 * step + rank // tp.size())
+    x, y = torch.randn(args.batch, 16, 64), torch.randint(0, 32, (args.batch, 16))
+    if args.sequence_parallel:
+        x = x.chunk(tp.size(), dim=1)[tp.get_local_rank()]
+    return x, y
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--wrap", choices=["ddp", "fsdp2"], default="ddp")
+    p.add_argument("--wrap", choices=["ddp", "fsdp2", "tp", "fsdp2+tp"], default="ddp")
+    p.add_argument("--sequence-parallel", action="store_true", help="TP: sequence-parallel LayerNorms")
+    p.add_argument("--loss-parallel", action="store_true", help="TP: the logits sharded on the vocabulary, loss_parallel()")
     p.add_argument("--backend", default="inductor", help="eager | aot_eager | inductor (default)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch", type=int, default=8)
@@ -178,25 +257,30 @@ def main(argv=None):
     if args.timeline and args.wrap == "fsdp2":
         _time_reduce_scatters()
 
-    copies = 2 if args.check else 1
-    models = []
-    for _ in range(copies):
-        torch.manual_seed(0)
-        models.append(wrap(Model(), args))
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    is_tp = args.wrap in ("tp", "fsdp2+tp")
+    copies = 2 if args.check or (args.timeline and is_tp) else 1
+    models, tp = zip(*(build(args, world) for _ in range(copies)))
+    tp = tp[0]
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
-    times, fractions, mismatches = [], {}, 0
+    times, fractions, mismatches, eager_log = [], {}, 0, None
     for step in range(args.steps):
-        torch.manual_seed(1000 * step + rank)
-        x, y = torch.randn(args.batch, 16, 64), torch.randint(0, 8, (args.batch,))
+        x, y = batch(args, step, rank, tp)
         grads = []
         for i, (model, opt) in enumerate(zip(models, opts)):
             compiled = i == 0
-            loss = nn.functional.cross_entropy(model(x).float(), y)
-            LAUNCHES.clear()
-            t0 = time.perf_counter()
-            with ca.enable(args.backend) if compiled else torch.enable_grad():
-                loss.backward()
-            t1 = time.perf_counter()
+            with loss_parallel() if args.loss_parallel else contextlib.nullcontext():
+                out = model(x)
+                loss = nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()) if is_tp else nn.functional.cross_entropy(out.float(), y)
+                LAUNCHES.clear()
+                logging = is_tp and args.timeline and not compiled and step == args.steps - 1
+                t0 = time.perf_counter()
+                with ca.enable(args.backend) if compiled else EagerCollectives() if logging else torch.enable_grad() as mode:
+                    loss.backward()
+                t1 = time.perf_counter()
+            if logging:
+                eager_log = mode
             if compiled:
                 times.append(t1 - t0)
             fractions[i] = [(t - t0) / (t1 - t0) for t in LAUNCHES]
@@ -216,7 +300,13 @@ def main(argv=None):
               f"opaque nodes {dict(s.opaque_reasons) or 0}")
         if args.check:
             print("grads and parameters bitwise equal to eager" if mismatches == 0 else f"{mismatches} tensors differ from eager")
-        if args.timeline:
+        if args.timeline and is_tp:
+            compiled_log, n = graph_collectives(ca.graphs()[-1].graph)
+            for name, log, total in (("eager", eager_log.collectives, eager_log.ops), ("compiled", compiled_log, n)):
+                print(f"{name}: {len(log)} collectives among {total} ops: " + ", ".join(f"{op}{list(shape)} at {100 * k / total:.0f}%" for op, shape, k in log))
+            same = [c[:2] for c in eager_log.collectives] == [c[:2] for c in compiled_log]
+            print("the compiled graph issues eager's collectives in eager's order" if same else "the collectives differ from eager's")
+        elif args.timeline:
             for i, launches in fractions.items():
                 print(f"last step, {('compiled', 'eager')[i]}: {len(launches)} gradient collectives launched at "
                       + ", ".join(f"{100 * f:.0f}%" for f in launches) + " of the backward")

@@ -159,17 +159,26 @@ def _dtensor_steps(mesh, backend, layout):
     return out
 
 
+def _assert_eager_placed_and_compiled(want, compiled, close=False):
+    """`compiled()`'s steps against eager's `want`: per step, each grad's placements equal and
+    its local tensor bitwise equal (or within inductor's rounding: `close`); one capture, then
+    hits, nothing in eager."""
+    ca.reset()
+    for step_want, step_got in zip(want, compiled()):
+        for (pw, a), (pg, b) in zip(step_want, step_got):
+            assert pw == pg
+            if close:
+                torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+            else:
+                assert torch.equal(a, b)
+    st = ca.stats()
+    assert (st.captures, st.hits, st.eager_fallbacks, st.opaque_nodes) == (1, 2, 0, 0)
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("layout", ["colrow", "repcol"])
 def test_dtensor_compiled(mesh, backend, layout):
-    want = _dtensor_steps(mesh, None, layout)
-    ca.reset()
-    got = _dtensor_steps(mesh, backend, layout)
-    for step_want, step_got in zip(want, got):
-        for (pw, a), (pg, b) in zip(step_want, step_got):
-            assert pw == pg and torch.equal(a, b)
-    st = ca.stats()
-    assert (st.captures, st.hits, st.eager_fallbacks, st.opaque_nodes) == (1, 2, 0, 0)
+    _assert_eager_placed_and_compiled(_dtensor_steps(mesh, None, layout), lambda: _dtensor_steps(mesh, backend, layout))
     ops = [str(n.target) for n in ca.graphs()[0].graph.graph.nodes if n.op == "call_function"]
     # DTensor's redistribution of the Partial grad before relu's backward, on 2 ranks: a
     # functional all-reduce in the graph (none on 1 rank, none where the grads stay Partial)
@@ -252,14 +261,7 @@ def test_tensor_parallel_compiled(fake2, backend, plan):
     collectives those eager issues, in eager's order (on a fake group they move no data: the
     multi-rank jobs in test_distributed.py check the data)."""
     eager_log: list = []
-    want = _tp_steps(fake2, None, plan, eager_log)
-    ca.reset()
-    got = _tp_steps(fake2, backend, plan)
-    for step_want, step_got in zip(want, got):
-        for (pw, a), (pg, b) in zip(step_want, step_got):
-            assert pw == pg and torch.equal(a, b)
-    st = ca.stats()
-    assert (st.captures, st.hits, st.eager_fallbacks, st.opaque_nodes) == (1, 2, 0, 0)
+    _assert_eager_placed_and_compiled(_tp_steps(fake2, None, plan, eager_log), lambda: _tp_steps(fake2, backend, plan))
     assert eager_log and _graph_collectives(ca.graphs()[0].graph) == eager_log
 
 
@@ -267,15 +269,7 @@ def test_tensor_parallel_compiled(fake2, backend, plan):
 def test_tensor_parallel_inductor(fake2):
     """Inductor on the sequence-parallel TP graph: eager's placements, grads within its rounding
     (its fused kernels round differently), and a hit on the next steps."""
-    want = _tp_steps(fake2, None, "sp")
-    ca.reset()
-    got = _tp_steps(fake2, "inductor", "sp")
-    for step_want, step_got in zip(want, got):
-        for (pw, a), (pg, b) in zip(step_want, step_got):
-            assert pw == pg
-            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
-    st = ca.stats()
-    assert (st.captures, st.hits, st.eager_fallbacks, st.opaque_nodes) == (1, 2, 0, 0)
+    _assert_eager_placed_and_compiled(_tp_steps(fake2, None, "sp"), lambda: _tp_steps(fake2, "inductor", "sp"), close=True)
 
 
 def test_loss_parallel_is_in_the_key(fake2):
