@@ -257,7 +257,9 @@ def write_report(out: Path, results: dict, meta: dict):
         f"{meta['date']}, commit {meta['commit']}, torch {meta['torch']}, {meta['cpus']} CPUs ({meta['cpu']}), gloo on "
         f"loopback, backend {meta['backend']}. Command: `{meta['command']}`.",
         "",
-        "A transformer (4 encoder layers, d=128, batch 16x32) per rank; a step is forward, backward and",
+        "DDP, FSDP2: a transformer (4 encoder layers, d=128, batch 16x32) per rank; TP, TP with sequence",
+        "parallelism (tp+sp), FSDP2 + TP on a (world/2, 2) mesh: examples/distributed.py's TPModel (4",
+        "pre-norm blocks, d=128, a 64-word head), one batch per TP group. A step is forward, backward and",
         "AdamW's step, timed on rank 0 between barriers; the modes' steps alternate in one set of",
         f"processes. Median of {meta['steps']} steps after {meta['warmup']} warm-up steps (capture and compile).",
         "Every step, each mode's gradients (gathered in full) are compared with eager's of the same",

@@ -407,11 +407,25 @@ class Collector {
     }
   }
 
-  // which nodes run, in the engine's order (nodes_)
+  // which nodes run, in the engine's order (nodes_): the reachable graph with its dependency
+  // counts, which of its nodes run (the engine's exec_info), then the engine's ready order
   void walk() {
-    // -- reachable graph and dependency counts (one map for both, sized
-    //    like the previous graph: hashing is a large part of a hit's cost)
     static thread_local size_t size_hint = 64;
+    count_reachable(size_hint);
+    Needed needed = mark_needed();
+    order_nodes(needed);
+    size_hint = std::max<size_t>(64, g_.info_.size());
+  }
+
+  // which nodes run, and the results grad() captures at each node
+  struct Needed {
+    std::unordered_set<Node*> nodes;
+    std::unordered_map<Node*, std::vector<std::pair<uint32_t, size_t>>> captures;
+  };
+
+  // the reachable graph and its dependency counts (one map for both, sized like the previous
+  // graph: hashing is a large part of a hit's cost)
+  void count_reachable(size_t size_hint) {
     g_.info_.reset(size_hint);
     auto& reach = g_.info_;
     std::vector<Node*> stack;
@@ -434,61 +448,67 @@ class Collector {
         }
       }
     }
+  }
 
-    // -- which nodes run: all, or those on a path to an output edge (the
-    //    engine's exec_info); grad() captures instead of accumulating
-    std::unordered_set<Node*> needed;
-    std::unordered_map<Node*, std::vector<std::pair<uint32_t, size_t>>> capture_spec;
-    const bool filtered = !output_edges_.empty();
-    g_.filtered_ = filtered;
-    if (filtered) {
-      std::unordered_set<Node*> targets;
-      for (size_t i = 0; i < output_edges_.size(); ++i) {
-        auto& e = output_edges_[i];
-        if (!e.is_valid() || reach.find(e.function.get()) == nullptr) {
-          continue; // unreachable: the result stays None
-        }
-        targets.insert(e.function.get());
-        if (g_.accumulate_grad_) {
-          needed.insert(e.function.get());
-        } else {
-          capture_spec[e.function.get()].emplace_back(e.input_nr, i);
-        }
+  // which nodes run: all, or those on a path to an output edge (the engine's exec_info);
+  // grad() captures instead of accumulating
+  Needed mark_needed() {
+    Needed needed;
+    auto& reach = g_.info_;
+    g_.filtered_ = !output_edges_.empty();
+    g_.num_results_ = g_.accumulate_grad_ ? 0 : output_edges_.size();
+    if (!g_.filtered_) {
+      return needed;
+    }
+    std::unordered_set<Node*> targets;
+    for (size_t i = 0; i < output_edges_.size(); ++i) {
+      auto& e = output_edges_[i];
+      if (!e.is_valid() || reach.find(e.function.get()) == nullptr) {
+        continue; // unreachable: the result stays None
       }
-      std::unordered_map<Node*, int> memo; // 1 yes, 2 no
-      std::function<bool(Node*)> leads = [&](Node* fn) -> bool {
-        auto it = memo.find(fn);
-        if (it != memo.end()) {
-          return it->second == 1;
-        }
-        memo[fn] = 2;
-        bool r = false;
-        for (const auto& next : fn->next_edges()) {
-          if (next.is_valid() &&
-              (targets.count(next.function.get()) || leads(next.function.get()))) {
-            r = true;
-          }
-        }
-        memo[fn] = r ? 1 : 2;
-        return r;
-      };
-      for (auto& info : reach.entries()) {
-        if (leads(info.fn.get())) {
-          needed.insert(info.fn.get());
-        }
+      targets.insert(e.function.get());
+      if (g_.accumulate_grad_) {
+        needed.nodes.insert(e.function.get());
+      } else {
+        needed.captures[e.function.get()].emplace_back(e.input_nr, i);
       }
     }
-    g_.num_results_ = g_.accumulate_grad_ ? 0 : output_edges_.size();
+    std::unordered_map<Node*, int> memo; // 1 yes, 2 no
+    std::function<bool(Node*)> leads = [&](Node* fn) -> bool {
+      auto it = memo.find(fn);
+      if (it != memo.end()) {
+        return it->second == 1;
+      }
+      memo[fn] = 2;
+      bool r = false;
+      for (const auto& next : fn->next_edges()) {
+        if (next.is_valid() && (targets.count(next.function.get()) || leads(next.function.get()))) {
+          r = true;
+        }
+      }
+      memo[fn] = r ? 1 : 2;
+      return r;
+    };
+    for (auto& info : reach.entries()) {
+      if (leads(info.fn.get())) {
+        needed.nodes.insert(info.fn.get());
+      }
+    }
+    return needed;
+  }
+
+  // the engine's order: ready nodes by sequence number (nodes_)
+  void order_nodes(const Needed& needed) {
+    auto& reach = g_.info_;
+    const bool filtered = g_.filtered_;
     // The engine evaluates its graph root whatever exec_info says: with one
     // root edge that is the root's own node (no dummy GraphRoot), which, when
     // it leads to none of the inputs, still runs its tensor pre-hooks and
     // retain_grad (evaluate_function), though not itself.
     Node* visited_root = g_.root_edges_.size() == 1 ? g_.root_edges_[0].function.get() : nullptr;
     auto should_run = [&](Node* fn) {
-      return !filtered || needed.count(fn) || capture_spec.count(fn) || fn == visited_root;
+      return !filtered || needed.nodes.count(fn) || needed.captures.count(fn) || fn == visited_root;
     };
-
-    // -- engine order
     std::priority_queue<ReadyEntry, std::vector<ReadyEntry>, CompareReady> ready;
     auto push_if_ready = [&](Node* fn) {
       if (reach.find(fn)->deps == 0 && should_run(fn)) {
@@ -510,9 +530,9 @@ class Collector {
       info.index = static_cast<int64_t>(g_.nodes_.size());
       NodeRecord r;
       r.fn = info.fn;
-      r.execute = !filtered || needed.count(fn);
-      auto cs = capture_spec.find(fn);
-      if (cs != capture_spec.end()) {
+      r.execute = !filtered || needed.nodes.count(fn);
+      auto cs = needed.captures.find(fn);
+      if (cs != needed.captures.end()) {
         r.captures = cs->second;
       }
       g_.nodes_.push_back(std::move(r));
@@ -526,8 +546,6 @@ class Collector {
         }
       }
     }
-
-    size_hint = std::max<size_t>(64, reach.size());
   }
 
   void key_roots() {
