@@ -94,6 +94,50 @@ def test_scaled_tensor_compiled(backend, case):
     assert (st.captures, st.hits, st.eager_fallbacks, st.opaque_nodes) == (1, 2, 0, 0)
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_hook_on_a_subclass_grad(backend):
+    """A tensor hook on an activation whose grad is a ScaledTensor: called from the graph with the
+    grad rebuilt from its inner tensors, its result flattened back into them (Slot.out_specs)."""
+    def steps(scope):
+        torch.manual_seed(0)
+        w = scaled(torch.randn(4, 8), 0.5, requires_grad=True)
+        out = []
+        for _ in range(3):
+            h = torch.tanh(torch.randn(3, 8) @ w.t())
+            h.register_hook(lambda g: g * 3.0)
+            with scope():
+                (h * h).sum().backward()
+            out.append((w.grad._data.clone(), w.grad._scale.clone()))
+        return out
+
+    want = steps(ca.disable)
+    ca.reset()
+    got = steps(lambda: ca.enable(backend=backend, fullgraph=True))
+    assert all(torch.equal(a, b) and torch.equal(s, t) for (a, s), (b, t) in zip(want, got))
+    st = ca.stats()
+    assert (st.captures, st.hits, st.eager_fallbacks, st.opaque_nodes) == (1, 2, 0, 0)
+    (slot,) = [sl for sl in ca.graphs()[0].plan.slots if sl.kind == "tensor_pre_hooks"]
+    assert [spec.type for _, spec in slot.out_specs] == [ScaledTensor]
+
+
+def test_hook_that_changes_a_subclass_grad_raises():
+    """A hook whose result is not what the graph was traced for (here a plain tensor for a
+    ScaledTensor grad; for DTensor, other placements) raises, loudly, on the run that sees it."""
+    torch.manual_seed(0)
+    w = scaled(torch.randn(4, 8), 0.5, requires_grad=True)
+    plain = [False]
+    for step in range(2):
+        h = torch.tanh(torch.randn(3, 8) @ w.t())
+        h.register_hook(lambda g: g._data * g._scale if plain[0] else g * 1.0)
+        plain[0] = step == 1
+        with ca.enable(backend="eager"):
+            if step == 0:
+                (h * h).sum().backward()
+            else:
+                with pytest.raises(RuntimeError, match="traced with a ScaledTensor"):
+                    (h * h).sum().backward()
+
+
 def test_subclass_graphs_are_not_stored_on_disk(tmp_path, monkeypatch):
     # (a subclass's type and metadata -- DTensor's mesh and its groups' names -- are not yet
     # known to mean the same in another process: docs/design/subclasses.md section 6)
@@ -239,6 +283,9 @@ def _tp_steps(mesh, backend, plan, log=None):
     torch.manual_seed(0)
     model = TPModel(d=16, heads=4, layers=2, ff=32, vocab=12)
     parallelize(model, mesh, sequence_parallel=sp, loss_parallel=lp)
+    if "hooks" in plan:  # a tensor hook on every parameter, DTensor or not: its grad scaled
+        for p in model.parameters():
+            p.register_hook(lambda g: g * 0.5)
     out = []
     for step in range(3):  # (.grad accumulated across the steps)
         torch.manual_seed(step)
@@ -254,7 +301,7 @@ def _tp_steps(mesh, backend, plan, log=None):
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-@pytest.mark.parametrize("plan", ["tp", "sp", "sp+loss_parallel"])
+@pytest.mark.parametrize("plan", ["tp", "sp", "sp+loss_parallel", "tp+hooks"])
 def test_tensor_parallel_compiled(fake2, backend, plan):
     """Colwise/rowwise attention and feed-forward, sequence-parallel LayerNorms, a vocabulary-
     parallel loss: eager's grads and placements bitwise, one capture then hits, and the graph's

@@ -307,6 +307,10 @@ class Slot(NamedTuple):
     # tensor subclass arguments passed as their inner tensors, rebuilt before the call: a
     # (position, SubclassSpec) per subclass argument (docs/design/subclasses.md section 5)
     rebuild: tuple = ()
+    # (output position, SubclassSpec) per output that is a tensor subclass, returned as its
+    # inner tensors (a tensor hook's new value of a DTensor grad): checked and flattened by the
+    # kernel, rebuilt by the graph
+    out_specs: tuple = ()
 
 
 class SubclassSpec(NamedTuple):

@@ -215,7 +215,7 @@ def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
             # AccumulateGrad sees the hook's reference and copies (NOTE [Stealing a fresh grad])
             counts = [(a, sys.getrefcount(a)) for a in args if a is not None] if steal is not None and not row.ordering_args else ()
             outs = _run_slot(capture, slot, row, node, mask, args, meta, flags, hooks, shared if keeps else None, observed,
-                             slot in _replay.resumable[-1])
+                             slot in _replay.resumable[-1], s.out_specs)
             for a, n in counts:
                 if sys.getrefcount(a) - sum(o is a for o in outs) > n:
                     steal.add(a)
@@ -255,6 +255,28 @@ def _rebuild(flat, rebuild, in_flags) -> list:
     return out + list(flat[k:]) + flags
 
 
+def _flatten_outputs(row, capture, node, outs, out_specs) -> list:
+    """A call's outputs with each subclass (Slot.out_specs) in its inner tensors; one of another
+    type or metadata than traced (a hook that returned other placements) raises: the graph was
+    traced for those."""
+    specs = dict(out_specs)
+    wide = []
+    for i, o in enumerate(outs):
+        spec = specs.get(i)
+        if spec is None:
+            wide.append(o)
+        elif o is None:
+            wide += [None] * len(spec.names)
+        else:
+            names, meta = o.__tensor_flatten__() if type(o) is spec.type else ((), None)
+            if type(o) is not spec.type or meta != spec.meta or tuple(o.shape) != spec.size:
+                what = row.what or f"{row.name.replace('_', ' ')} of {capture.node_name(node)}"
+                raise RuntimeError(f"compiled_autograd: {what} returned a {type(o).__name__} ({meta}) where the graph was "
+                                   f"traced with a {spec.type.__name__} ({spec.meta})")
+            wide += [getattr(o, n) for n in spec.names]
+    return wide
+
+
 def check_hooks_added(capture, kind, node) -> None:
     """Raise where what a call ran gave hooks to a node the graph has no call for."""
     stage = SLOT_KINDS[kind].stage
@@ -262,9 +284,11 @@ def check_hooks_added(capture, kind, node) -> None:
         _hooks_added_error(kind, capture, node)
 
 
-def _run_slot(capture, slot, row, node, mask, args, meta, flags, hooks, shared=None, observed=None, stop=False):
+def _run_slot(capture, slot, row, node, mask, args, meta, flags, hooks, shared=None, observed=None, stop=False, out_specs=()):
     metas = decode_meta(meta)
     outs = row.run(capture, node, args, mask, metas, hooks, None)
+    if out_specs:
+        outs = _flatten_outputs(row, capture, node, outs, out_specs)
     if stop:
         _stop_if_relaid(slot, mask, outs, metas, observed, args)
     keep = () if shared is None else [a for i, a in enumerate(args) if a is not None and i not in shared]

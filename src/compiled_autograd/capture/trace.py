@@ -141,35 +141,44 @@ class _BackwardTracer:
         return torch.stack(out)
 
     # -- opaque calls --------------------------------------------------------
-    def _call(self, kind, node, args, out_metas, flags=False, values=None, keeps=None):
+    def _call(self, kind, node, args, out_metas, flags=False, values=None, keeps=None, outs_like_args=False):
         """One compiled_autograd::call; returns the outputs positionally (None where not predicted).
 
         `values`: the _Values the tensors in `args` come from. Where one may be
         undefined (it carries flags), the call also gets each argument's
         definedness, and passes None for an undefined one, as eager would."""
-        mask = tuple(m is not None for m in out_metas)
-        rebuild = ()
+        rebuild, out_specs = (), ()
         if any(is_traceable_wrapper_subclass(a) for a in args):
             # a subclass argument is passed as its inner tensors, and rebuilt before the call
-            # (Slot.rebuild); one whose outputs would be subclasses too is not traced yet
-            if any(mask):
-                raise Fallback(f"tensor subclass passed to a {kind.replace('_', ' ')} call that returns grads "
-                               "(not yet: docs/design/subclasses.md)")
+            # (Slot.rebuild); where output i is argument i's new value (a tensor hook's), a
+            # subclass output is returned as its inner tensors, checked against the traced
+            # metadata, and rebuilt here (Slot.out_specs); other subclass outputs are not yet
             flat, rebuild = [], []
             for i, a in enumerate(args):
                 if is_traceable_wrapper_subclass(a):
                     spec, inner = self._flatten(a)
-                    rebuild.append((i, spec))
+                    rebuild.append((i, spec, inner))
                     flat += inner
                 else:
                     flat.append(a)
-            args, rebuild = flat, tuple(rebuild)
+            if any(m is not None for m in out_metas):
+                if not outs_like_args or flags:
+                    raise Fallback(f"tensor subclass passed to a {kind.replace('_', ' ')} call that returns grads "
+                                   "(not yet: docs/design/subclasses.md)")
+                out_specs = tuple((i, spec) for i, spec, _ in rebuild if i < len(out_metas) and out_metas[i] is not None)
+                inner_of = {i: inner for i, _, inner in rebuild}
+                wide = []
+                for i, m in enumerate(out_metas):
+                    wide += [OutputMeta.like(x) for x in inner_of[i]] if i in inner_of and m is not None else [m]
+                out_metas = wide
+            args, rebuild = flat, tuple((i, spec) for i, spec, _ in rebuild)
+        mask = tuple(m is not None for m in out_metas)
         slot = len(self.slots)
         in_flags = values is not None and any(v is not None and v.bits is not None for v in values)
         if in_flags:
             args = list(args) + [self._defined_each(values)]
-        self.slots.append(Slot(kind, node, mask, in_flags, at=self.at, rebuild=rebuild))
-        if self.resumable and kind in resume.KINDS and any(mask):
+        self.slots.append(Slot(kind, node, mask, in_flags, at=self.at, rebuild=rebuild, out_specs=out_specs))
+        if self.resumable and kind in resume.KINDS and any(mask) and not rebuild:
             point = resume.held(self, slot, kind)
             if point is not None:
                 self.resume_points.append(point)
@@ -180,6 +189,11 @@ class _BackwardTracer:
         flag = outs[-1] if flags else None
         it = iter(outs)
         positional = [next(it) if m else None for m in mask]
+        if out_specs:  # (the outputs regrouped: each subclass rebuilt over its inner outputs)
+            specs, wide, positional = dict(out_specs), iter(positional), []
+            for i in range(len(mask) - sum(len(spec.names) - 1 for spec in specs.values())):
+                spec = specs.get(i)
+                positional.append(spec.rebuild([next(wide) for _ in spec.names]) if spec is not None else next(wide))
         return positional, flag
 
     def _layout(self, slot, k, meta) -> OutputMeta:

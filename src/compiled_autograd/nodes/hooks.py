@@ -30,7 +30,8 @@ def call(t, kind, idx, values: list, extra=()):
     # call with no tensor at all, where every grad is None, keeps its flag output: a
     # compiler places a call by its tensors' device)
     flags = kind != TENSOR_PRE_HOOKS or all(t is None for t in tensors)
-    outs, flag = t._call(kind, idx, [v.t if v is not None else None for v in every], metas, flags=flags, values=every, keeps=True)
+    outs, flag = t._call(kind, idx, [v.t if v is not None else None for v in every], metas, flags=flags, values=every, keeps=True,
+                         outs_like_args=kind == TENSOR_PRE_HOOKS)
     result, k = [], 0
     for o, v in zip(outs, values):
         if o is None:
