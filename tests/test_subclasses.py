@@ -6,6 +6,7 @@ process (the multi-rank jobs are in test_distributed.py)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -136,6 +137,46 @@ def test_hook_that_changes_a_subclass_grad_raises():
             else:
                 with pytest.raises(RuntimeError, match="traced with a ScaledTensor"):
                     (h * h).sum().backward()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scale:
+    factor: float
+    shift: float = dataclasses.field(default=0.0, compare=False)  # (read by the backward: keyed too)
+
+
+class _Scaled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cfg):
+        ctx.cfg = cfg
+        return x * cfg.factor
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.cfg.factor + ctx.cfg.shift, None
+
+
+def test_a_dataclass_on_ctx_is_keyed_by_every_field():
+    """NOTE [Keys of a tensor subclass's metadata]: a frozen dataclass on ctx (as DTensor's
+    DTensorSpec is) is keyed by each field, `compare=False` ones too: a new value, a new graph."""
+    cfgs = [_Scale(2.0), _Scale(2.0), _Scale(2.0, shift=1.0)]
+
+    def steps(scope):
+        torch.manual_seed(0)
+        out = []
+        for cfg in cfgs:
+            x = torch.randn(5, requires_grad=True)
+            with scope():
+                (_Scaled.apply(x, cfg) ** 2).sum().backward()
+            out.append(x.grad)
+        return out
+
+    want = steps(ca.disable)
+    ca.reset()
+    got = steps(lambda: ca.enable(backend="aot_eager", fullgraph=True))
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    st = ca.stats()
+    assert (st.captures, st.hits, st.eager_fallbacks, st.opaque_nodes) == (2, 1, 0, 0)
 
 
 def test_subclass_graphs_are_not_stored_on_disk(tmp_path, monkeypatch):

@@ -78,11 +78,14 @@ def _distributed_key(v, lift, user):
     """NOTE [Keys of a tensor subclass's metadata]
     What DTensor's flatten metadata and its own custom Functions' ctx hold (DTensorSpec,
     TensorMeta, placements, the DeviceMesh), and a user's subclass metadata made of
-    dataclasses, keyed by value (docs/design/subclasses.md section 6): a dataclass by its
-    compared fields; a placement (C++ objects in 2.13, hashable and equal by value) as
-    itself; a DeviceMesh by what a graph bakes in of it: its ranks, its shape, its dim names
-    and the process groups' names (the functional collectives' `group_name` argument). Named
-    tuples (TensorMeta, ShardOrderEntry) are tuples above. The object itself stays by
+    dataclasses, keyed by value (docs/design/subclasses.md section 6). A dataclass by every one
+    of its fields (compared or not: the trace may read any): torch's own, or a user's that is
+    frozen, holds nothing but its fields and defines no methods of its own (state a backward
+    could read through them would not be keyed; such a one stays unkeyable). A placement (C++
+    objects in 2.13, hashable and equal by value) as itself. A DeviceMesh by what a graph bakes
+    in of it: its ranks, its shape, its dim names and the process groups' names (the functional
+    collectives' `group_name` argument), computed once per mesh (a mesh does not change).
+    Named tuples (TensorMeta, ShardOrderEntry) are tuples above. The object itself stays by
     reference in the trace (the mesh is not a tensor the graph could hold). None: not one of
     these."""
     import dataclasses
@@ -90,13 +93,35 @@ def _distributed_key(v, lift, user):
     t = type(v)
     module = getattr(t, "__module__", "") or ""
     if dataclasses.is_dataclass(v):
-        return ("dc", t, tuple((f.name, _value_key(getattr(v, f.name), lift, user)) for f in dataclasses.fields(v) if f.compare))
+        fields = dataclasses.fields(v)
+        if not module.startswith("torch.") and not _plain_frozen_dataclass(v, fields):
+            return None
+        return ("dc", t, tuple((f.name, _value_key(getattr(v, f.name), lift, user)) for f in fields))
     if module.startswith("torch.distributed.tensor.placement_types"):
         return ("placement", v)
     if t.__name__ == "DeviceMesh" and module.startswith("torch.distributed"):
+        seen = _MESH_KEYS.get(id(v))
+        if seen is not None and seen[0]() is v:
+            return seen[1]
         groups = tuple(v.get_group(d).group_name for d in range(v.ndim))
-        return ("mesh", v.device_type, tuple(v.mesh.flatten().tolist()), tuple(v.mesh.shape), v.mesh_dim_names, groups)
+        key = ("mesh", v.device_type, tuple(v.mesh.flatten().tolist()), tuple(v.mesh.shape), v.mesh_dim_names, groups)
+        try:
+            _MESH_KEYS[id(v)] = (weakref.ref(v, lambda _, i=id(v): _MESH_KEYS.pop(i, None)), key)
+        except TypeError:  # (not weakly referenceable: computed each time)
+            pass
+        return key
     return None
+
+
+# id(mesh) -> (a weak reference to it, its key): by identity, not by DeviceMesh's `==`, which
+# need not compare the process groups' names the key holds
+_MESH_KEYS: dict = {}
+
+
+def _plain_frozen_dataclass(v, fields) -> bool:
+    names = {f.name for f in fields}
+    own = [k for k, x in vars(type(v)).items() if callable(x) and not (k.startswith("__") and k.endswith("__"))]
+    return type(v).__dataclass_params__.frozen and set(getattr(v, "__dict__", {})) <= names and not own
 
 
 # NOTE [Python state a backward reads]
