@@ -313,7 +313,7 @@ def _graph_collectives(gm):
             if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional" and n.target._opname in _COLLECTIVES]
 
 
-def _tp_steps(mesh, backend, plan, log=None):
+def _tp_steps(mesh, backend, plan, log=None, opaque=()):
     import contextlib
 
     from torch.distributed.tensor.parallel import loss_parallel
@@ -333,7 +333,7 @@ def _tp_steps(mesh, backend, plan, log=None):
         x, y = torch.randn(2, 8, 16), torch.randint(0, 12, (2, 16 if sp else 8))
         with loss_parallel() if lp else contextlib.nullcontext():
             loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            with ca.enable(backend=backend, fullgraph=True, background=False) if backend else _Collectives() if log is not None else ca.disable() as mode:
+            with ca.enable(backend=backend, fullgraph=True, background=False, opaque=opaque) if backend else _Collectives() if log is not None else ca.disable() as mode:
                 loss.backward()
         if log is not None and step == 0:
             log += mode.log
@@ -351,6 +351,21 @@ def test_tensor_parallel_compiled(fake2, backend, plan):
     eager_log: list = []
     _assert_eager_placed_and_compiled(_tp_steps(fake2, None, plan, eager_log), lambda: _tp_steps(fake2, backend, plan))
     assert eager_log and _graph_collectives(ca.graphs()[0].graph) == eager_log
+
+
+def test_tensor_parallel_with_an_opaque_node(fake2):
+    """Sequence-parallel LayerNorms run opaquely (named in opaque=): their grads are DTensors,
+    held by reference (NOTE [Values passed by reference]), the nodes given them opaque too;
+    eager's grads and placements bitwise, no fallback (before: a whole-backward fallback)."""
+    want = _tp_steps(fake2, None, "sp")
+    ca.reset()
+    got = _tp_steps(fake2, "aot_eager", "sp", opaque=("NativeLayerNormBackward0",))
+    for step_want, step_got in zip(want, got):
+        for (pw, a), (pg, b) in zip(step_want, step_got):
+            assert pw == pg and torch.equal(a, b)
+    st = ca.stats()
+    assert st.eager_fallbacks == 0 and st.hits >= 1
+    assert st.opaque_reasons["marked opaque"] > 0 and st.opaque_reasons["tensor subclass"] > 0
 
 
 @pytest.mark.inductor
@@ -380,28 +395,109 @@ def test_loss_parallel_is_in_the_key(fake2):
     assert keys[0] == keys[2] != keys[1]
 
 
-# -- a jagged NestedTensor: whole-backward fallback for now, of kind "tensor subclass"
+# -- values passed by reference (NOTE [Values passed by reference], capture/trace.py): a jagged
+#    NestedTensor's nodes run opaquely, each, and its grads are held beside the graph
 
 
-def _njt_steps(scope):
+def _njt(i):
+    return torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(5 + i, 4)], layout=torch.jagged, requires_grad=True)
+
+
+def _njt_steps(scope, case, n=4):
+    """Per step (a new ragged length each step), the grads of a jagged NestedTensor leaf and of
+    a Linear's parameters after `relu(lin(nt)).values().sum()`'s backward, or a variant."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(4, 3)
     out = []
-    for _ in range(2):
-        nt = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(5, 4)], layout=torch.jagged, requires_grad=True)
-        loss = torch.relu(lin(nt)).values().sum()
+    for i in range(n):
+        nt = _njt(i)
+        y = lin(nt)
+        if case == "used twice":  # two grads of y's node summed, each held by reference
+            loss = (torch.relu(y) * y).values().sum()
+        else:
+            if case == "hook":  # a tensor hook on a nested activation
+                y.register_hook(lambda g: g * 2)
+            loss = torch.relu(y).values().sum()
         with scope():
+            if case == "grad":
+                g_nt, g_w = torch.autograd.grad(loss, [nt, lin.weight])
+                assert g_nt.is_nested
+                out.append([g_nt.values().clone(), g_w.clone()])
+                continue
             loss.backward()
         out.append([nt.grad.values().clone(), lin.weight.grad.clone(), lin.bias.grad.clone()])
     return out
 
 
-def test_nested_tensor_falls_back_as_a_subclass():
-    want = _njt_steps(ca.disable)
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("case", ["plain", "used twice", "hook", "grad"])
+def test_nested_tensor_runs_opaque_per_node(backend, case):
+    want = _njt_steps(ca.disable, case)
     ca.reset()
-    got = _njt_steps(lambda: ca.enable(backend="eager"))
+    got = _njt_steps(lambda: ca.enable(backend=backend, fullgraph=True), case)
     assert all(torch.equal(a, b) for w, g in zip(want, got) for a, b in zip(w, g))
-    # (was counted as the user's misuse, and ran in eager under fullgraph=True without a word)
-    assert ca.stats().fallback_reasons == {"tensor subclass": 2}
-    with pytest.raises(ca.CompiledAutogradError, match="nested tensor"):
-        _njt_steps(lambda: ca.enable(backend="eager", fullgraph=True))
+    s = ca.stats()
+    # (before: the whole backward in eager, counted as the user's misuse, then as "tensor subclass")
+    assert s.eager_fallbacks == 0 and s.hits >= 1 and s.captures >= 1, s
+    assert set(s.opaque_reasons) == {"tensor subclass"}
+    assert any("NestedGetValuesBackward0" in d for d in s.opaque_details)
+
+
+@pytest.mark.inductor
+def test_nested_tensor_inductor():
+    want = _njt_steps(ca.disable, "plain", n=3)
+    ca.reset()
+    got = _njt_steps(lambda: ca.enable(backend="inductor", fullgraph=True, background=False), "plain", n=3)
+    for w, g in zip(want, got):
+        for a, b in zip(w, g):
+            torch.testing.assert_close(b, a)
+    assert ca.stats().eager_fallbacks == 0
+
+
+def _scaled_opaque_steps(scope):
+    torch.manual_seed(0)
+    W = torch.randn(4, 8)
+    w = scaled(W, 0.5, requires_grad=True)
+    out = []
+    for i in range(3):
+        loss = torch.tanh(torch.randn(3, 8) @ w.t()).sum()
+        with scope():
+            loss.backward()
+        assert type(w.grad) is ScaledTensor
+        out.append((w.grad._data.clone(), w.grad._scale.clone()))
+    return out
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_an_opaque_node_returning_a_subclass(backend):
+    """An opaque node whose grad is a ScaledTensor hands it on by reference; the nodes given it
+    run opaquely too (before: a whole-backward fallback)."""
+    want = _scaled_opaque_steps(ca.disable)
+    ca.reset()
+    got = _scaled_opaque_steps(lambda: ca.enable(backend=backend, fullgraph=True, opaque=["TanhBackward0"]))
+    assert all(torch.equal(a, b) for w, g in zip(want, got) for a, b in zip(w, g))
+    s = ca.stats()
+    assert s.eager_fallbacks == 0 and s.hits == 1 and s.captures == 1
+    assert s.opaque_reasons == {"marked opaque": 2, "tensor subclass": 4}
+
+
+def test_subclass_graph_with_new_sizes_is_captured_static():
+    """A backward with a ScaledTensor whose batch changes: a static capture of the new sizes, then
+    a hit (before: the dynamic capture raised under fullgraph=True)."""
+    def steps(scope):
+        torch.manual_seed(0)
+        w = scaled(torch.randn(4, 8), 0.5, requires_grad=True)
+        out = []
+        for n in (3, 5, 5):
+            loss = torch.tanh(torch.randn(n, 8) @ w.t()).sum()
+            with scope():
+                loss.backward()
+            out.append((w.grad._data.clone(), w.grad._scale.clone()))
+        return out
+
+    want = steps(ca.disable)
+    ca.reset()
+    got = steps(lambda: ca.enable(backend="aot_eager", fullgraph=True))
+    assert all(torch.equal(a, b) for w, g in zip(want, got) for a, b in zip(w, g))
+    st = ca.stats()
+    assert (st.captures, st.dynamic_captures, st.hits, st.eager_fallbacks) == (2, 0, 1, 0)

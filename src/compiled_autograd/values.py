@@ -311,6 +311,10 @@ class Slot(NamedTuple):
     # inner tensors (a tensor hook's new value of a DTensor grad): checked and flattened by the
     # kernel, rebuilt by the graph
     out_specs: tuple = ()
+    # NOTE [Values passed by reference] (nodes/references.py): ((argument position, source), ...)
+    # for the arguments that are tokens of a value held beside the graph, and the positions of
+    # its outputs that it hands on that way; a source is (slot, output position)
+    by_reference: tuple = ()
 
 
 class SubclassSpec(NamedTuple):
@@ -431,6 +435,9 @@ class Plan:
     # gets an empty tensor there (replay/run.py stand_in), never the subclass itself, which a
     # backend would desugar again (AOTAutograd: per call)
     stand_ins: tuple = ()
+    # NOTE [Values passed by reference] (nodes/references.py): (result index, source) per result
+    # that is a token of a value a call handed on by reference: the value replaces it
+    by_reference: tuple = ()
 
     @functools.cached_property
     def release_after(self) -> dict | None:

@@ -100,7 +100,7 @@ class replaying:
     """Context of one compiled graph run: where its slots resolve."""
 
     def __init__(self, capture, slots, hooks=(), steal=None, keep=False, versions=None, ctx=None, releases=None, observed=None,
-                 resumable=None):
+                 resumable=None, refs=None):
         self.task = torch._C._current_graph_task_id()  # in_graph_task's, when calls run
         # hooks: (unpack_hook, packed) per hooked saved tensor, for UNPACK slots;
         # steal: None, or the graph inputs' storages when ACCUMULATE calls may
@@ -115,7 +115,11 @@ class replaying:
         # (the dispatch keys the backward call excluded: a call runs its hooks with them)
         # observed: (slot, output) -> the layout a call's output had where it was not the
         # traced one (NOTE [Layouts of call outputs])
-        self.frame = ReplayFrame(capture, slots, torch._C._dispatch_tls_local_exclude_set(), hooks, steal, keep, versions, ctx, releases, observed)
+        # refs: (slot, output) -> what a call handed on by reference (NOTE [Values passed by
+        # reference], capture/trace.py)
+        self.refs = {} if refs is None else refs
+        self.frame = ReplayFrame(capture, slots, torch._C._dispatch_tls_local_exclude_set(), hooks, steal, keep, versions, ctx, releases,
+                                 observed, self.refs)
 
         self.failed_at = None  # the slot of the last call started, when the graph raised
         self.resumable = resumable or ()
@@ -195,6 +199,12 @@ def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
         if torch.is_grad_enabled() != capture.grad_mode:
             torch._C._set_grad_enabled(capture.grad_mode)
     before = [args[i]._version if args[i] is not None else 0 for i in shared]
+    by_ref_out = ()
+    if s.by_reference:  # NOTE [Values passed by reference] (nodes/references.py)
+        by_ref_in, by_ref_out = s.by_reference
+        args = list(args)
+        for i, src in by_ref_in:
+            args[i] = frame.refs[src]
     flat = args
     if s.rebuild:  # tensor subclass arguments, passed as their inner tensors (Slot.rebuild)
         args = _rebuild(args, s.rebuild, in_flags)
@@ -208,7 +218,10 @@ def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
     undo = _set_exclude_set(outside, inside) if inside != outside else ()
     try:
         if row.accumulates:
-            outs = row.run(capture, node, args, mask, None, hooks, steal if fresh else None)
+            outs = row.run(capture, node, args, mask, None, hooks, steal if fresh and not s.by_reference else None)
+        elif by_ref_out:
+            outs = _run_slot(capture, slot, row, node, mask, args, meta, flags, hooks, None, observed, False, s.out_specs,
+                             (frame.refs, by_ref_out))
         else:
             keeps = keep and flags & KEEPS_INPUTS
             # a grad a hook keeps (`seen.append(g)`) must not become `.grad` as it is: eager's
@@ -284,9 +297,16 @@ def check_hooks_added(capture, kind, node) -> None:
         _hooks_added_error(kind, capture, node)
 
 
-def _run_slot(capture, slot, row, node, mask, args, meta, flags, hooks, shared=None, observed=None, stop=False, out_specs=()):
+def _run_slot(capture, slot, row, node, mask, args, meta, flags, hooks, shared=None, observed=None, stop=False, out_specs=(),
+              by_ref=None):
     metas = decode_meta(meta)
     outs = row.run(capture, node, args, mask, metas, hooks, None)
+    if by_ref is not None:  # NOTE [Values passed by reference] (nodes/references.py): held, a token in the graph
+        refs, positions = by_ref
+        outs = list(outs) + [None] * (len(mask) - len(outs))
+        for i in positions:
+            o, refs[(slot, i)] = outs[i], outs[i]
+            outs[i] = None if o is None else torch.empty(0, dtype=o.dtype, device=o.device)
     if out_specs:
         outs = _flatten_outputs(row, capture, node, outs, out_specs)
     if stop:

@@ -114,3 +114,4 @@ class ReplayFrame(NamedTuple):
     ctx: object  # slot -> custom Functions' ctx snapshots checked after it (Plan.ctx_checks)
     releases: object  # slot -> nodes whose saved variables are freed after it
     observed: object  # (slot, output) -> layout of an output copied into the traced one
+    refs: object  # (slot, output) -> a value a call handed on by reference (NOTE [Values passed by reference])

@@ -243,8 +243,8 @@ def _resumer_class():
                 self.graph_results[f] = torch.tensor(v is not None)
             return r, f
 
-        def _call(self, kind, node, args, out_metas, flags=False, values=None, keeps=None, outs_like_args=False):
-            capture = self.capture  # (real tensors: a subclass goes to its call as it is)
+        def _call(self, kind, node, args, out_metas, flags=False, values=None, keeps=None, outs_like_args=False, by_reference_outs=()):
+            capture = self.capture  # (real tensors: a subclass, or a value held by reference, goes to its call as it is)
             mask = [m is not None for m in out_metas]
             row = SLOT_KINDS[kind]
             if not row.resumable and not row.accumulates:  # (UNPACK: a graph with one is not resumed)

@@ -29,6 +29,8 @@ masked first (`sum_grads`: a formula can turn zeros into NaN, 0 / 0 in sqrt's at
 a value no formula ran on since its call, zeros when undefined, needs no mask).
 A built-in node given it beside other grads runs opaquely instead: its formula
 skips an undefined grad's terms, where zeros could make NaN (0 * inf).
+
+NOTE [Values passed by reference]: nodes/references.py.
 """
 
 from __future__ import annotations
@@ -46,14 +48,14 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .. import config
 from ..errors import Fallback, NeedsOpaque, NotTwiceDifferentiable
-from ..nodes import FAMILIES, accumulate, builtin, hooks, opaque, saved_tensors
+from ..nodes import FAMILIES, accumulate, builtin, hooks, opaque, references, saved_tensors
 from ..calls import protocol
 from ..values import Collected, OutputMeta, Plan, Slot, SubclassSpec
 from ..observe.stats import LOCK, STATS
 from .fakes import fake_inputs
 from .record import Recorder, record
 from ..nodes.grads import Value, defined, sum_grads, union_bits
-from . import resume
+from . import resume, subclass_calls
 from .lint import lint
 from .passes import mark_fresh_grads, mark_shared_args, passable_inputs, releases, reorder_for_calls, version_checked_inputs
 
@@ -87,6 +89,9 @@ class _BackwardTracer:
         self.buffers: dict = {}
         self.resumed_inputs: list = []  # a resumed step's node inputs (_step)
         self.wrapped: list = []  # Plan.wrapped: results that are tensor subclasses, flattened
+        # NOTE [Values passed by reference]: id(token) -> (source, token) per token in the graph
+        self.refs: dict = {}
+        self.by_reference: list = []  # Plan.by_reference: (result index, source) per result that is a token
         self.in_graph_accumulate = collected.grad_on_ctx or any(
             (opaque.is_opaque(self, i) and opaque.may_read_grads(self, i)) or (n.hooks.any and not self.late) for i, n in enumerate(self.nodes)
         )
@@ -102,6 +107,8 @@ class _BackwardTracer:
         if v is None:
             return -1, -1
         r = len(self.results)
+        if id(v.t) in self.refs:  # a value held beside the graph: it replaces the token (replay/run.py)
+            self.by_reference.append((r, self.refs[id(v.t)][0]))
         if is_traceable_wrapper_subclass(v.t):
             # a subclass result: its inner tensors are graph results from r on, and replay/run.py
             # rebuilds it with the metadata the trace's dispatch gave it (docs/design/subclasses.md
@@ -140,45 +147,33 @@ class _BackwardTracer:
                 out.append(self._defined(v.bits))
         return torch.stack(out)
 
+    # -- values passed by reference -------------------------------------------
+    def is_reference(self, t) -> bool:
+        """Whether t is the token of a value a call handed on by reference."""
+        return t is not None and id(t) in self.refs
+
     # -- opaque calls --------------------------------------------------------
-    def _call(self, kind, node, args, out_metas, flags=False, values=None, keeps=None, outs_like_args=False):
+    def _call(self, kind, node, args, out_metas, flags=False, values=None, keeps=None, outs_like_args=False, by_reference_outs=()):
         """One compiled_autograd::call; returns the outputs positionally (None where not predicted).
 
         `values`: the _Values the tensors in `args` come from. Where one may be
         undefined (it carries flags), the call also gets each argument's
-        definedness, and passes None for an undefined one, as eager would."""
-        rebuild, out_specs = (), ()
-        if any(is_traceable_wrapper_subclass(a) for a in args):
-            # a subclass argument is passed as its inner tensors, and rebuilt before the call
-            # (Slot.rebuild); where output i is argument i's new value (a tensor hook's), a
-            # subclass output is returned as its inner tensors, checked against the traced
-            # metadata, and rebuilt here (Slot.out_specs); other subclass outputs are not yet
-            flat, rebuild = [], []
-            for i, a in enumerate(args):
-                if is_traceable_wrapper_subclass(a):
-                    spec, inner = self._flatten(a)
-                    rebuild.append((i, spec, inner))
-                    flat += inner
-                else:
-                    flat.append(a)
-            if any(m is not None for m in out_metas):
-                if not outs_like_args or flags:
-                    raise Fallback(f"tensor subclass passed to a {kind.replace('_', ' ')} call that returns grads "
-                                   "(not yet: docs/design/subclasses.md)")
-                out_specs = tuple((i, spec) for i, spec, _ in rebuild if i < len(out_metas) and out_metas[i] is not None)
-                inner_of = {i: inner for i, _, inner in rebuild}
-                wide = []
-                for i, m in enumerate(out_metas):
-                    wide += [OutputMeta.like(x) for x in inner_of[i]] if i in inner_of and m is not None else [m]
-                out_metas = wide
-            args, rebuild = flat, tuple((i, spec) for i, spec, _ in rebuild)
+        definedness, and passes None for an undefined one, as eager would.
+        `by_reference_outs`: the outputs it hands on by reference (NOTE [Values passed by
+        reference]); an argument that is a token gets its value back before the call."""
+        args, out_metas, rebuild, out_specs = subclass_calls.flatten_args(self, kind, args, out_metas, flags, outs_like_args)
         mask = tuple(m is not None for m in out_metas)
         slot = len(self.slots)
+        by_reference = ()
+        refs_in = tuple((k, self.refs[id(a)][0]) for k, a in enumerate(args) if self.is_reference(a))
+        if refs_in or by_reference_outs:
+            by_reference = (refs_in, tuple(by_reference_outs))
         in_flags = values is not None and any(v is not None and v.bits is not None for v in values)
         if in_flags:
             args = list(args) + [self._defined_each(values)]
-        self.slots.append(Slot(kind, node, mask, in_flags, at=self.at, rebuild=rebuild, out_specs=out_specs))
-        if self.resumable and kind in resume.KINDS and any(mask) and not rebuild:
+        self.slots.append(Slot(kind, node, mask, in_flags, at=self.at, rebuild=rebuild, out_specs=out_specs, by_reference=by_reference))
+        # (a first run cannot stop and go on in eager's order once values are held by reference)
+        if self.resumable and kind in resume.KINDS and any(mask) and not rebuild and not self.refs and not by_reference:
             point = resume.held(self, slot, kind)
             if point is not None:
                 self.resume_points.append(point)
@@ -189,12 +184,10 @@ class _BackwardTracer:
         flag = outs[-1] if flags else None
         it = iter(outs)
         positional = [next(it) if m else None for m in mask]
-        if out_specs:  # (the outputs regrouped: each subclass rebuilt over its inner outputs)
-            specs, wide, positional = dict(out_specs), iter(positional), []
-            for i in range(len(mask) - sum(len(spec.names) - 1 for spec in specs.values())):
-                spec = specs.get(i)
-                positional.append(spec.rebuild([next(wide) for _ in spec.names]) if spec is not None else next(wide))
-        return positional, flag
+        for i in by_reference_outs:
+            if positional[i] is not None:
+                self.refs[id(positional[i])] = ((slot, i), positional[i])
+        return subclass_calls.regroup(positional, mask, out_specs), flag
 
     def _layout(self, slot, k, meta) -> OutputMeta:
         """Output k of call `slot` as the trace predicts it (NOTE [Layouts of call outputs],
@@ -267,7 +260,10 @@ class _BackwardTracer:
         if idx < 0 or v is None:
             return
         buf = self.buffers.setdefault(idx, [None] * self.nodes[idx].num_inputs)
-        buf[nr] = sum_grads(buf[nr], v)
+        if buf[nr] is not None and (self.is_reference(buf[nr].t) or self.is_reference(v.t)):
+            buf[nr] = references.sum_grads(self, buf[nr], v)
+        else:
+            buf[nr] = sum_grads(buf[nr], v)
 
     def _step(self, idx, values, args, captured, done=None):
         """Node idx's step of the engine on the grads that reached it. `done`: the kind of the
@@ -330,6 +326,14 @@ class _BackwardTracer:
     def _apply(self, idx, kind, values, args):
         """The node's step, by its family's rule (nodes/__init__.py FAMILIES): its outputs."""
         if opaque.is_opaque(self, idx):
+            return opaque.trace(self, idx, values)
+        if any(v is not None and self.is_reference(v.t) for v in values):
+            # opaque from here on; a custom Function's opaque backward may read `.grad`, which
+            # decides where AccumulateGrad runs (in_graph_accumulate): traced again for it
+            why = "given a grad passed by reference (a tensor subclass the graph cannot hold)"
+            if idx in self.c.pynodes:
+                raise NeedsOpaque(idx, why)
+            self.opaque_extra[idx] = why
             return opaque.trace(self, idx, values)
         return FAMILIES[kind].trace(self, idx, values, args)
 
@@ -467,6 +471,7 @@ def _plan(gm, tracer, collected, captured, differentiable, num_results) -> Plan:
         result_calls=tuple(tracer.result_calls),
         wrapped=tuple(tracer.wrapped),
         stand_ins=tuple(w.index for w in collected.wrappers),
+        by_reference=tuple(tracer.by_reference),
     )
 
 

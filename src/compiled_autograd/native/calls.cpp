@@ -500,7 +500,7 @@ py::object call_direct(int64_t slot, py::list args, py::list meta, int64_t flags
   }
   ReplayFrame f = replay_frames.back(); // (a copy: a hook's nested backward pushes and pops frames)
   py::tuple s = py::reinterpret_borrow<py::tuple>(py::handle(f.frame[FrameField::SLOTS])[py::int_(slot)]);
-  // values.Slot: (kind, node, mask, in_flags, fresh, n_after, shared, n_watch, at, rebuild) (SlotField)
+  // values.Slot: (kind, node, mask, in_flags, fresh, n_after, shared, n_watch, at, rebuild, out_specs, by_reference) (SlotField)
   py::handle kind_obj = s[SlotField::KIND];
   auto [kind, stage] = call_kind(kind_obj);
   if (kind == CALL_PYTHON || c10::impl::tls_local_dispatch_key_set().excluded_ != f.outside) {
@@ -508,6 +508,10 @@ py::object call_direct(int64_t slot, py::list args, py::list meta, int64_t flags
   }
   if (PyTuple_GET_SIZE(s.ptr()) > static_cast<Py_ssize_t>(SlotField::REBUILD) && PyObject_IsTrue(s[SlotField::REBUILD].ptr())) {
     return python(); // tensor subclass arguments, rebuilt from their inner tensors (kernel._run_call)
+  }
+  if (PyTuple_GET_SIZE(s.ptr()) > static_cast<Py_ssize_t>(SlotField::BY_REFERENCE) &&
+      PyObject_IsTrue(s[SlotField::BY_REFERENCE].ptr())) {
+    return python(); // values passed by reference (kernel._run_call)
   }
   py::object node_obj = s[SlotField::NODE];
   auto node = node_obj.cast<size_t>();

@@ -346,6 +346,50 @@ SavedHooksPtr SavedHookHandover::swap_hooks(torch::autograd::SavedVariable* sv, 
   return hooks;
 }
 
+// NOTE [Edges in the key]
+// Each edge goes in the key as torch's CompiledNodeArgs::collect(Edge)
+// writes it (valid, its node, input_nr, the metadata validate_outputs
+// checks), except for the node's id: torch's is a NodeCalls id, which costs
+// an insert into a hash map of NodeCalls per node (an allocation, a
+// shared_ptr copy, a free at the end: a tenth of a hit's walk on the
+// 2000-node chain, measured with perf). Ours is the node's position in
+// execution order (edge_index, known once the walk has ordered the nodes;
+// -1: the node does not run), which names the same node in both graphs
+// whenever the keys before it are equal.
+static void collect_edges(const CollectedGraph& g, cad::CompiledNodeArgs& args, const std::vector<Edge>& edges) {
+  args.collect_size(edges.size());
+  for (const auto& e : edges) {
+    if (args.cond(e.is_valid())) {
+      args.collect_size(static_cast<size_t>(g.edge_index(e) + 1));
+      args.collect_size(e.input_nr);
+      const auto& m = e.function->input_metadata(e.input_nr);
+      if (args.cond(m.is_nested_tensor())) {
+        // (torch's collect(InputMetadata) refuses it; its sizes are no ints: not collected)
+        args.collect(m.options());
+        args.collect(m.is_tensor_subclass());
+      } else {
+        args.collect(m);
+      }
+    }
+  }
+}
+
+// Whether a node takes or returns a nested tensor's grad (NOTE [Values passed by reference])
+static bool has_nested_grads(const Node& fn) {
+  for (uint32_t i = 0; i < fn.num_inputs(); ++i) {
+    const auto& m = fn.input_metadata(i);
+    if (!m.was_default_constructed() && m.is_nested_tensor()) {
+      return true;
+    }
+  }
+  for (const auto& e : fn.next_edges()) {
+    if (e.is_valid() && e.function->input_metadata(e.input_nr).is_nested_tensor()) {
+      return true;
+    }
+  }
+  return false;
+}
+
 // ---------------------------------------------------------------------------
 // Collector: the walk and the key of one backward, into a CollectedGraph
 // ---------------------------------------------------------------------------
@@ -571,7 +615,7 @@ class Collector {
     if (!g_.nodes_.empty()) {
       cad::NodeCall first_call(0, g_.nodes_[0].fn);
       cad::CompiledNodeArgs root_args(g_.call_, first_call);
-      collect_edges(root_args, g_.root_edges_);
+      collect_edges(g_, root_args, g_.root_edges_);
       auto k = root_args.key();
       append_pod(g_.key_, static_cast<uint32_t>(k.key_size));
       g_.key_.append(reinterpret_cast<const char*>(k.key), k.key_size);
@@ -618,7 +662,14 @@ class Collector {
       cad::NodeCall node_call(static_cast<uint32_t>(idx), r.fn);
       cad::CompiledNodeArgs node_args(g_.call_, node_call);
       r.size_start = g_.call_.all_size_inputs.size();
-      if (r.kind == GENERIC) {
+      if (r.kind != ACCUMULATE && has_nested_grads(*fn)) {
+        // NOTE [Values passed by reference] (nodes/references.py): a graph cannot hold a nested
+        // tensor (its sizes hold a nested int), so a node that takes or returns one runs as is,
+        // and what it returns is handed to the next call by reference. Nothing of it is collected:
+        // its saved nested tensors are never lifted (torch's collect(InputMetadata) refuses them).
+        r.opaque = true;
+        r.opaque_reason = "takes or returns a nested tensor's grad (a tensor subclass the graph cannot hold: passed by reference)";
+      } else if (r.kind == GENERIC) {
         try {
           fn->compiled_args(node_args);
         } catch (const c10::Error& e) {
@@ -647,7 +698,7 @@ class Collector {
       append_pod(g_.key_, static_cast<uint8_t>(r.opaque));
       // edges and the metadata of what they feed, for validate_outputs
       r.edge_size_start = g_.call_.all_size_inputs.size();
-      collect_edges(node_args, fn->next_edges());
+      collect_edges(g_, node_args, fn->next_edges());
       auto k = node_args.key();
       append_pod(g_.key_, static_cast<uint32_t>(k.key_size));
       g_.key_.append(reinterpret_cast<const char*>(k.key), k.key_size);
@@ -708,27 +759,6 @@ class Collector {
     return true;
   }
 
-  // NOTE [Edges in the key]
-  // Each edge goes in the key as torch's CompiledNodeArgs::collect(Edge)
-  // writes it (valid, its node, input_nr, the metadata validate_outputs
-  // checks), except for the node's id: torch's is a NodeCalls id, which costs
-  // an insert into a hash map of NodeCalls per node (an allocation, a
-  // shared_ptr copy, a free at the end: a tenth of a hit's walk on the
-  // 2000-node chain, measured with perf). Ours is the node's position in
-  // execution order (edge_index, known once the walk has ordered the nodes;
-  // -1: the node does not run), which names the same node in both graphs
-  // whenever the keys before it are equal.
-  void collect_edges(cad::CompiledNodeArgs& args, const std::vector<Edge>& edges) const {
-    args.collect_size(edges.size());
-    for (const auto& e : edges) {
-      if (args.cond(e.is_valid())) {
-        args.collect_size(static_cast<size_t>(g_.edge_index(e) + 1));
-        args.collect_size(e.input_nr);
-        args.collect(e.function->input_metadata(e.input_nr));
-      }
-    }
-  }
-
   // Dtype, device, flags and layout class of a lifted tensor go in the key;
   // its geometry goes in sizes_: the sizes, the strides unless they follow
   // from the sizes (contiguous, channels_last: layout 'C'/'L'/'M'), and the
@@ -767,7 +797,8 @@ py::list CollectedGraph::nodes() const {
       edges.append(py::make_tuple(edge_index(next[k]), next[k].input_nr));
       if (next[k].is_valid()) {
         edge_sizes.append(static_cast<int64_t>(pos));
-        pos += next[k].function->input_metadata(next[k].input_nr).shape_as_dim_vector().size();
+        const auto& m = next[k].function->input_metadata(next[k].input_nr);
+        pos += m.is_nested_tensor() ? 0 : m.shape_as_dim_vector().size();
       } else {
         edge_sizes.append(-1);
       }
@@ -890,7 +921,7 @@ py::list CollectedGraph::subclass_inputs(size_t idx) const {
   return out;
 }
 
-// (metadata of each input of node idx): (shape, dtype, device) or None
+// (metadata of each input of node idx): (shape, dtype, device) or None; a nested tensor's shape None
 py::list CollectedGraph::input_metadata(size_t idx) const {
   py::list out;
   auto& fn = nodes_.at(idx).fn;
@@ -900,12 +931,16 @@ py::list CollectedGraph::input_metadata(size_t idx) const {
       out.append(py::none());
       continue;
     }
+    auto dtype = py::reinterpret_borrow<py::object>(
+        reinterpret_cast<PyObject*>(torch::getTHPDtype(m.dtype().toScalarType())));
+    if (m.is_nested_tensor()) { // (no int sizes: passed by reference, NOTE [Values passed by reference])
+      out.append(py::make_tuple(py::none(), dtype, m.device().str()));
+      continue;
+    }
     std::vector<int64_t> shape;
     for (auto& s : m.shape_as_dim_vector()) {
       shape.push_back(s.guard_int(__FILE__, __LINE__));
     }
-    auto dtype = py::reinterpret_borrow<py::object>(
-        reinterpret_cast<PyObject*>(torch::getTHPDtype(m.dtype().toScalarType())));
     out.append(py::make_tuple(shape, dtype, m.device().str()));
   }
   return out;

@@ -75,6 +75,8 @@ struct SlotField {
   static constexpr size_t N_WATCH = 7;
   static constexpr size_t AT = 8;
   static constexpr size_t REBUILD = 9;
+  static constexpr size_t OUT_SPECS = 10;
+  static constexpr size_t BY_REFERENCE = 11;
 };
 
 // protocol.ReplayFrame: the context of one compiled graph run, by position

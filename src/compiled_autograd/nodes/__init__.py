@@ -10,14 +10,15 @@ The families: built-in nodes (builtin.py: generated nodes, Foreach nodes, CopySl
 through its own C++ formula), AccumulateGrad (accumulate.py), custom Functions (function.py,
 with the Python state their backwards read, state.py, and the sizes kept on ctx,
 ctx_sizes.py; torch.compile'd regions inlined, compiled_region.py), opaque nodes (opaque.py),
-and the calls that are no node: hooks (hooks.py) and saved-tensor hooks (saved_tensors.py).
+and the calls that are no node: hooks (hooks.py), saved-tensor hooks (saved_tensors.py) and the
+sums of grads held by reference (references.py).
 What earlier backwards taught is one store, learned.py.
 """
 
 from __future__ import annotations
 
-from . import accumulate, builtin, function, hooks, opaque, saved_tensors
+from . import accumulate, builtin, function, hooks, opaque, references, saved_tensors
 
 FAMILIES = {row.kind: row for row in (builtin.ROW, accumulate.ROW, function.ROW, opaque.ROW)}
 
-SLOT_KINDS = {row.name: row for family in (hooks, opaque, accumulate, saved_tensors) for row in family.SLOT_KINDS}
+SLOT_KINDS = {row.name: row for family in (hooks, opaque, references, accumulate, saved_tensors) for row in family.SLOT_KINDS}

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import Fallback
 from ..values import CallHow, NodeFamily, NodeKind, OutputMeta, SlotKind
-from . import compiled_region
+from . import compiled_region, references
 from .grads import Value
 
 FAMILY = "opaque"
@@ -31,7 +30,8 @@ def may_read_grads(t, idx) -> bool:
     ops between its prologue and epilogue)."""
     if idx in t.c.pynodes:
         return not compiled_region.is_compiled_function(t.capture.node_object(idx)._forward_cls)
-    return bool(t.nodes[idx].opaque)
+    n = t.nodes[idx]
+    return n.opaque and not (n.kind == NodeKind.GENERIC and references.REASON in n.opaque_reason)
 
 
 def reason(t, idx) -> str:
@@ -45,15 +45,17 @@ def reason(t, idx) -> str:
 
 def trace(t, idx, values):
     edges, edge_sizes = t.nodes[idx].edges, t.nodes[idx].edge_sizes
-    if any(to >= 0 and nr in t.capture.subclass_inputs(to) for to, nr in edges):
-        # (a grad that is a tensor subclass, returned by a node the graph does not trace:
-        # passed by reference, docs/design/subclasses.md section 5, not yet)
-        raise Fallback(f"tensor subclass returned by {t.capture.node_name(idx)}, opaque: {reason(t, idx)} (not yet: docs/design/subclasses.md)")
-    metas = []
+    metas, by_reference = [], []
     for k, ((to, nr), pos) in enumerate(zip(edges, edge_sizes)):
         m = None
         md = t.capture.input_metadata(to)[nr] if to >= 0 else None
-        if md is not None:
+        if md is not None and (md[0] is None or nr in t.capture.subclass_inputs(to)):
+            # a grad that is a tensor subclass (a nested tensor, whose sizes are no ints; a
+            # DTensor) from a node the graph does not trace: held beside the graph, a token in
+            # it (NOTE [Values passed by reference], nodes/references.py)
+            m = references.token(md[1], md[2])
+            by_reference.append(k)
+        elif md is not None:
             # the output's shape, symbolic where the edge's metadata sizes are; laid out
             # as an eager backward showed (NOTE [Layouts of call outputs], calls/kernel.py)
             shape, dtype, device = md
@@ -61,7 +63,7 @@ def trace(t, idx, values):
             m = t._seen_layout(OutputMeta.dense(dims, dtype, torch.device(device)), t.layouts.get(("node", idx, k)))
         metas.append(m)
     tensors = [v.t if v is not None else None for v in values]
-    outs, flag = t._call(NODE, idx, tensors, metas, flags=True, values=values)
+    outs, flag = t._call(NODE, idx, tensors, metas, flags=True, values=values, by_reference_outs=by_reference)
     result, k = [], 0
     for o in outs:
         if o is None:

@@ -51,7 +51,10 @@ def run_graph(entry: CompiledBackward, capture, lifted, extra, hooks, releases=(
                                 getattr(first_run, "resumable", None))
         try:
             with frame, torch.no_grad():
-                return first_run(args) if first_run is not None else list(entry(args))
+                outs = first_run(args) if first_run is not None else list(entry(args))
+            for r, src in entry.plan.by_reference:  # NOTE [Values passed by reference] (nodes/references.py)
+                outs[r] = frame.refs.get(src)
+            return outs
         except BaseException:
             if free_on_failure:
                 release_completed(capture, entry.plan, frame.failed_at)
@@ -118,7 +121,8 @@ def check_outputs(key, entry: CompiledBackward, capture, results: list, sizes: t
     structure captures and compiles again)."""
     if entry.expected is not None:
         grad_mode = entry.plan.differentiable is not None and any(entry.plan.differentiable)
-        problems = mismatches(entry.expected, results, sizes, entry.plan.num_results if grad_mode else None)
+        held = {r for r, _ in entry.plan.by_reference}  # (values held by reference replaced their tokens)
+        problems = mismatches(entry.expected, results, sizes, entry.plan.num_results if grad_mode else None, held)
         if problems:
             CACHE.discard(key, entry)
             capture.clear()

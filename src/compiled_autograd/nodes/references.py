@@ -1,0 +1,60 @@
+"""Values passed by reference: the grads a graph cannot hold, kept beside it, a token in it.
+
+NOTE [Values passed by reference]
+Some grads a graph cannot hold: a jagged NestedTensor's (its sizes hold a nested
+int; torch's own collect(InputMetadata) refuses it), or a tensor subclass an
+opaque node returns (the trace never saw it made, so it has no inner tensors to
+flatten). Such a value never enters the graph. The call that returns it keeps it
+beside the graph, in the running graph's frame (`refs`, keyed by (slot, output)),
+and gives the graph a token in its place: an empty plain tensor, which only
+orders the calls after it. A call given a token gets the value back before it
+runs (`Slot.by_reference`: the arguments' sources, the outputs it hands on), and
+a result that is a token is replaced by its value before it is applied
+(`Plan.by_reference`). Who holds such values:
+  * a node that takes or returns a nested tensor's grad is opaque from the walk
+    on (native/collect.cpp: nothing of it collected, so its saved nested tensors
+    are never lifted); so is an opaque node's output whose edge's metadata is a
+    subclass (nodes/opaque.py);
+  * a built-in node given a token runs opaquely too (a custom Function's is traced
+    again as opaque: its backward may read `.grad`); hooks given one get the value
+    and hand back theirs by reference;
+  * two grads of one input, one a token, are summed by a call (SUM), as the
+    engine's InputBuffer sums them;
+  * AccumulateGrad and grad()'s results take the value itself (replay/run.py).
+So a nested tensor runs its nodes opaquely, each, and what is plain around them
+(a Linear's weight and bias grads) is compiled; never a whole-backward fallback.
+A graph's first run does not stop at a call once values are held (NOTE [A call
+output in another layout on a graph's first run]); create_graph has no calls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..values import OutputMeta, SlotKind
+from .grads import Value
+
+FAMILY = "references"
+SUM = "sum_by_reference"  # two grads of one node input summed, one held by reference
+# in the reason of a built-in node the walk made opaque for a nested tensor's grad (native/collect.cpp)
+REASON = "passed by reference"
+
+
+def token(dtype, device) -> OutputMeta:
+    """A token's layout: an empty plain tensor (its value is held beside the graph)."""
+    return OutputMeta([0], dtype, torch.device(device), [1])
+
+
+def sum_grads(t, a: Value, b: Value) -> Value:
+    """Two grads for one node input, one of them held by reference: summed by a call, as the
+    engine's InputBuffer sums them, and handed on by reference."""
+    (out,), flag = t._call(SUM, t.at, [a.t, b.t], [OutputMeta.like(a.t)], flags=True, values=[a, b], by_reference_outs=(0,))
+    return Value(out, ((flag, 0),), exact=True)
+
+
+def _run_sum(capture, node, args, mask, metas, hooks, steal):
+    a, b = args
+    return [a if b is None else b if a is None else a + b]
+
+
+SLOT_KINDS = (SlotKind(SUM, FAMILY, _run_sum, reads_saved=False, what="the sum of two grads held by reference"),)
