@@ -501,3 +501,84 @@ def test_subclass_graph_with_new_sizes_is_captured_static():
     assert all(torch.equal(a, b) for w, g in zip(want, got) for a, b in zip(w, g))
     st = ca.stats()
     assert (st.captures, st.dynamic_captures, st.hits, st.eager_fallbacks) == (2, 0, 1, 0)
+
+
+class Unflattened(torch.Tensor):
+    """A wrapper subclass without __tensor_flatten__: its dispatch unwraps, runs the op, rewraps."""
+
+    @staticmethod
+    def __new__(cls, elem, requires_grad=False):
+        r = torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype, device=elem.device, requires_grad=requires_grad)
+        r.elem = elem
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        out = func(*tree_map(lambda t: t.elem if isinstance(t, Unflattened) else t, args),
+                   **tree_map(lambda t: t.elem if isinstance(t, Unflattened) else t, kwargs or {}))
+        return tree_map(lambda t: Unflattened(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+def _unflattened_steps(scope):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    out = []
+    for _ in range(3):
+        x = Unflattened(torch.randn(5, 4), requires_grad=True)
+        loss = torch.tanh(lin(x)).sum()  # (an Unflattened loss: its root grad is one too)
+        with scope():
+            loss.backward()
+        assert type(x.grad) is Unflattened
+        out.append([x.grad.elem.clone(), getattr(lin.weight.grad, "elem", lin.weight.grad).clone()])
+    return out
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_subclass_without_tensor_flatten_runs_opaque_per_node(backend):
+    """Its root grad and every grad of its type are held by reference, the nodes that take or
+    return one opaque (before: a whole-backward fallback, "tensor subclass root grad")."""
+    want = _unflattened_steps(ca.disable)
+    ca.reset()
+    got = _unflattened_steps(lambda: ca.enable(backend=backend, fullgraph=True))
+    assert all(torch.equal(a, b) for w, g in zip(want, got) for a, b in zip(w, g))
+    st = ca.stats()
+    # (the first backward learns the opaque nodes' output layouts in eager; then a capture, a hit)
+    assert (st.learning_backwards, st.captures, st.hits, st.eager_fallbacks) == (1, 1, 1, 0)
+    assert set(st.opaque_reasons) == {"tensor subclass"}
+
+
+class _Unwrap(torch.autograd.Function):
+    """An Unflattened in, a plain tensor out; its backward gives an Unflattened grad."""
+
+    @staticmethod
+    def forward(ctx, w):
+        return w.elem * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return Unflattened(g * 2)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_subclass_without_tensor_flatten_under_a_plain_loss(backend):
+    """The walk finds an Unflattened among what the graph would lift and walks again with every
+    node that takes or returns a subclass's grad opaque (before: a whole-backward fallback)."""
+    def steps(scope):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(4, 3)
+        out = []
+        for _ in range(3):
+            x = Unflattened(torch.randn(5, 4), requires_grad=True)
+            loss = (_Unwrap.apply(torch.tanh(lin(x))) * torch.randn(5, 3)).sum()
+            with scope():
+                loss.backward()
+            out.append([x.grad.elem.clone(), getattr(lin.weight.grad, "elem", lin.weight.grad).clone()])
+        return out
+
+    want = steps(ca.disable)
+    ca.reset()
+    got = steps(lambda: ca.enable(backend=backend, fullgraph=True))
+    assert all(torch.equal(a, b) for w, g in zip(want, got) for a, b in zip(w, g))
+    st = ca.stats()
+    assert (st.learning_backwards, st.captures, st.hits, st.eager_fallbacks) == (1, 1, 1, 0)
+    assert set(st.opaque_reasons) == {"tensor subclass"}

@@ -19,6 +19,11 @@ class Fallback(Exception):
         self.reason = reason
 
 
+class OpaqueSubclasses(Fallback):
+    """A lifted tensor subclass without __tensor_flatten__: the walk runs again with every node that
+    takes or returns a subclass's grad opaque (NOTE [Values passed by reference], nodes/references.py)."""
+
+
 class NeedsOpaque(Exception):
     def __init__(self, idx: int, reason: str):
         super().__init__(reason)

@@ -24,7 +24,7 @@ from .cache.dynamic import plan_capture
 from .replay.entries import CACHE
 from .compile import background, child, share
 from .config import Config
-from .errors import BackendOutputError, CompiledAutogradError, Fallback, LearnLayouts
+from .errors import BackendOutputError, CompiledAutogradError, Fallback, LearnLayouts, OpaqueSubclasses
 from .observe import captures, reasons
 from .observe.stats import LOCK, STATS
 from .replay.run import GCPause, apply, check_outputs, run_graph
@@ -34,7 +34,7 @@ from .nodes.function import CHURN_LIMIT, note_capture
 from .nodes.learned import LEARNED
 from .nodes.saved_tensors import Learn
 from .walk.collect import collect
-from .walk.precheck import global_state, precheck
+from .walk.precheck import global_state, opaque_subclasses, precheck
 
 log = logging.getLogger("compiled_autograd")
 
@@ -129,25 +129,35 @@ def _run_backward(
     except native.Unavailable as e:  # NOTE [Torch versions] (native/__init__.py)
         pause.resume()
         return _fall_back(cfg, str(e), eager)
-    try:
-        capture = C.GraphCapture(list(roots), list(grads), list(inputs), accumulate_grad)
-    except RuntimeError as e:  # misuse (freed graph, modified saved tensor): eager raises the same error
-        pause.resume()
-        if "NestedTensor support not implemented" in str(e):
-            # torch's CompiledNodeArgs::collect(InputMetadata) refuses a nested tensor's edge: no
-            # misuse of the user's, and under fullgraph=True an error of ours
-            # (docs/design/subclasses.md, step 0; later: opaque nodes, section 5)
-            return _fall_back(cfg, "tensor subclass: a nested tensor in the graph", eager)
-        return _fall_back(cfg, f"collection error: {str(e).splitlines()[0][:120]}", eager, user_error=True)
-    try:
-        return _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, accumulate_grad, pause)
-    finally:
-        capture.restore_saved_hooks()  # NOTE [Handing unpacked tensors to their saved variables] (native helper)
+    opaque = opaque_subclasses(grads)
+    while True:
+        try:
+            capture = C.GraphCapture(list(roots), list(grads), list(inputs), accumulate_grad, opaque)
+        except RuntimeError as e:  # misuse (freed graph, modified saved tensor): eager raises the same error
+            pause.resume()
+            if "NestedTensor support not implemented" in str(e):
+                # torch's CompiledNodeArgs::collect(InputMetadata) refused a nested tensor (ours keys
+                # a nested edge itself: NOTE [Values passed by reference]); no misuse of the user's
+                return _fall_back(cfg, "tensor subclass: a nested tensor in the graph", eager)
+            return _fall_back(cfg, f"collection error: {str(e).splitlines()[0][:120]}", eager, user_error=True)
+        try:
+            out = _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, accumulate_grad, pause)
+        finally:
+            capture.restore_saved_hooks()  # NOTE [Handing unpacked tensors to their saved variables] (native helper)
+        if out is not _WALK_AGAIN or opaque:
+            return out
+        opaque = True  # (a subclass without __tensor_flatten__: its nodes opaque, NOTE [Values passed by reference])
+
+
+_WALK_AGAIN = object()  # _run_capture's answer: walk again with every subclass's nodes opaque
 
 
 def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, accumulate_grad, pause):
     """After the walk: collect, look up, then a hit or a miss, and apply (or run in eager)."""
     collected, reason, user_error = _collect(capture, keep_graph, create_graph)
+    if reason is _WALK_AGAIN:
+        capture.clear()
+        return reason
     if reason is not None or isinstance(collected, Learn):
         capture.clear()
         pause.resume()
@@ -217,6 +227,8 @@ def _collect(capture, keep_graph, create_graph):
     except Unkeyable as e:
         # an unpack hook returned a tensor we cannot lift (a subclass, a sparse tensor)
         return None, f"saved-tensor hook returned a {e}", False
+    except OpaqueSubclasses:
+        return None, _WALK_AGAIN, False
     except Fallback as e:  # (a tensor subclass the graph does not take: docs/design/subclasses.md)
         return None, e.reason, False
 

@@ -104,6 +104,9 @@ class Collected:
     in_graph: tuple = ()  # an InGraph per saved tensor unpacked in the graph
     grad_on_ctx: bool = False  # a leaf's .grad, accumulated into by this backward, is kept on ctx
     wrappers: tuple = ()  # a Wrapper per lifted tensor subclass (walk/subclasses.py; docs/design/subclasses.md)
+    # lifted indices of values held by reference (a root grad of a subclass without
+    # __tensor_flatten__: NOTE [Values passed by reference], nodes/references.py)
+    held: tuple = ()
 
     # ints saved by torch.compile'd regions for their inlined backwards, and sizes kept on custom
     # Functions' ctx (NOTE [Sizes kept on ctx]), in `sizes` before those shapes
@@ -438,6 +441,9 @@ class Plan:
     # NOTE [Values passed by reference] (nodes/references.py): (result index, source) per result
     # that is a token of a value a call handed on by reference: the value replaces it
     by_reference: tuple = ()
+    # the lifted indices of values held by reference: the graph gets an empty tensor there, the
+    # calls given it the value (source ("lifted", index))
+    held: tuple = ()
 
     @functools.cached_property
     def release_after(self) -> dict | None:

@@ -122,7 +122,7 @@ def fake_inputs(collected: Collected, mask, history=()):
     sizes, n_si = collected.sizes, collected.n_size_inputs
     real_mask = [False] * len(sizes)
     fakes = []
-    wrapped = {w.index for w in collected.wrappers}
+    wrapped = {w.index for w in collected.wrappers} | set(collected.held)
     if wrapped and mask:
         raise RuntimeError("compiled_autograd: a dynamic capture with tensor subclasses (not yet: docs/design/subclasses.md)")
     for i, (t, (start, dim, with_strides)) in enumerate(zip(collected.lifted, collected.tensor_positions)):

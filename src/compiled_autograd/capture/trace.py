@@ -248,8 +248,7 @@ class _BackwardTracer:
         capture = self.capture
         self.buffers = {}  # node -> the grads waiting for it, per input (the engine's InputBuffers)
         roots = capture.roots()
-        root_vals = capture.root_values([args[g] if g >= 0 else None for _, _, g in roots])
-        for (idx, nr, _), t in zip(roots, root_vals):
+        for (idx, nr, _), t in zip(roots, references.root_values(self, args, roots)):
             self._add(idx, nr, None if t is None else Value(t))
         captured = [(-1, -1)] * capture.num_results()
         for idx, node in enumerate(self.nodes):
@@ -470,7 +469,8 @@ def _plan(gm, tracer, collected, captured, differentiable, num_results) -> Plan:
         resume=resume.points(gm, tracer),
         result_calls=tuple(tracer.result_calls),
         wrapped=tuple(tracer.wrapped),
-        stand_ins=tuple(w.index for w in collected.wrappers),
+        stand_ins=tuple(w.index for w in collected.wrappers) + collected.held,
+        held=collected.held,
         by_reference=tuple(tracer.by_reference),
     )
 

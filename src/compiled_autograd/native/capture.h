@@ -195,6 +195,8 @@ struct CollectedGraph {
 
   // '' when the graph can be compiled, otherwise why not.
   std::string unsupported;
+  // every node touching a tensor subclass's grad runs as is (NOTE [Values passed by reference])
+  bool opaque_subclasses = false;
 
   // The grad mode the nodes' formulas are traced in and the results applied
   // in: the engine's, which is create_graph (NOTE [create_graph] in capture/create_graph.py).
@@ -410,7 +412,8 @@ class GraphCapture : public CollectedGraph {
       const std::vector<py::handle>& roots,
       const std::vector<std::optional<at::Tensor>>& root_grads,
       const std::vector<py::handle>& inputs,
-      bool accumulate_grad);
+      bool accumulate_grad,
+      bool opaque_subclasses);
   GraphCapture(const GraphCapture&) = delete; // (the parts refer to this graph)
   GraphCapture& operator=(const GraphCapture&) = delete;
 

@@ -374,16 +374,19 @@ static void collect_edges(const CollectedGraph& g, cad::CompiledNodeArgs& args, 
   }
 }
 
-// Whether a node takes or returns a nested tensor's grad (NOTE [Values passed by reference])
-static bool has_nested_grads(const Node& fn) {
+// Whether a node takes or returns a nested tensor's grad, or with `subclasses` any tensor
+// subclass's (NOTE [Values passed by reference])
+static bool has_grads_by_reference(const Node& fn, bool subclasses) {
+  auto held = [&](const torch::autograd::InputMetadata& m) {
+    return !m.was_default_constructed() && (m.is_nested_tensor() || (subclasses && m.is_tensor_subclass()));
+  };
   for (uint32_t i = 0; i < fn.num_inputs(); ++i) {
-    const auto& m = fn.input_metadata(i);
-    if (!m.was_default_constructed() && m.is_nested_tensor()) {
+    if (held(fn.input_metadata(i))) {
       return true;
     }
   }
   for (const auto& e : fn.next_edges()) {
-    if (e.is_valid() && e.function->input_metadata(e.input_nr).is_nested_tensor()) {
+    if (e.is_valid() && held(e.function->input_metadata(e.input_nr))) {
       return true;
     }
   }
@@ -395,7 +398,9 @@ static bool has_nested_grads(const Node& fn) {
 // ---------------------------------------------------------------------------
 class Collector {
  public:
-  explicit Collector(CollectedGraph& g) : g_(g) {}
+  // opaque_subclasses: every node that takes or returns a tensor subclass's grad runs as is
+  // (a subclass without __tensor_flatten__ in the graph: NOTE [Values passed by reference])
+  Collector(CollectedGraph& g, bool opaque_subclasses) : g_(g), opaque_subclasses_(opaque_subclasses) {}
 
   void collect(
       const std::vector<py::handle>& roots,
@@ -662,13 +667,15 @@ class Collector {
       cad::NodeCall node_call(static_cast<uint32_t>(idx), r.fn);
       cad::CompiledNodeArgs node_args(g_.call_, node_call);
       r.size_start = g_.call_.all_size_inputs.size();
-      if (r.kind != ACCUMULATE && has_nested_grads(*fn)) {
+      if (r.kind != ACCUMULATE && has_grads_by_reference(*fn, opaque_subclasses_)) {
         // NOTE [Values passed by reference] (nodes/references.py): a graph cannot hold a nested
         // tensor (its sizes hold a nested int), so a node that takes or returns one runs as is,
         // and what it returns is handed to the next call by reference. Nothing of it is collected:
         // its saved nested tensors are never lifted (torch's collect(InputMetadata) refuses them).
         r.opaque = true;
-        r.opaque_reason = "takes or returns a nested tensor's grad (a tensor subclass the graph cannot hold: passed by reference)";
+        r.opaque_reason = opaque_subclasses_
+            ? "takes or returns a tensor subclass's grad, in a graph with one the graph cannot hold (passed by reference)"
+            : "takes or returns a nested tensor's grad (a tensor subclass the graph cannot hold: passed by reference)";
       } else if (r.kind == GENERIC) {
         try {
           fn->compiled_args(node_args);
@@ -771,6 +778,7 @@ class Collector {
   }
 
   CollectedGraph& g_;
+  bool opaque_subclasses_;
   std::vector<Edge> output_edges_;
   std::optional<c10::Device> stream_device_;
   std::optional<c10::Stream> current_stream_;
@@ -994,9 +1002,11 @@ GraphCapture::GraphCapture(
     const std::vector<py::handle>& roots,
     const std::vector<std::optional<at::Tensor>>& root_grads,
     const std::vector<py::handle>& inputs,
-    bool accumulate_grad)
+    bool accumulate_grad,
+    bool opaque_subclasses)
     : CollectedGraph(accumulate_grad) {
-  Collector(*this).collect(roots, root_grads, inputs);
+  this->opaque_subclasses = opaque_subclasses;
+  Collector(*this, opaque_subclasses).collect(roots, root_grads, inputs);
 }
 
 } // namespace compiled_autograd_native

@@ -50,8 +50,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               const std::vector<py::handle>&,
               const std::vector<std::optional<at::Tensor>>&,
               const std::vector<py::handle>&,
+              bool,
               bool>())
       .def_readonly("unsupported", &GraphCapture::unsupported)
+      .def_readonly("opaque_subclasses", &GraphCapture::opaque_subclasses)
       .def("key", &GraphCapture::key)
       .def("lifted", &GraphCapture::lifted)
       .def("sizes", &GraphCapture::sizes)

@@ -15,6 +15,12 @@ a result that is a token is replaced by its value before it is applied
     on (native/collect.cpp: nothing of it collected, so its saved nested tensors
     are never lifted); so is an opaque node's output whose edge's metadata is a
     subclass (nodes/opaque.py);
+  * a subclass without __tensor_flatten__: every node that takes or returns a
+    subclass's grad opaque from the walk on (walk/precheck.py opaque_subclasses:
+    its loss is one; or the walk found one to lift and walks again,
+    errors.OpaqueSubclasses), its root grad held from the start (Plan.held,
+    source ("lifted", index)); one that a node with plain grads saved still
+    makes the backward run in eager;
   * a built-in node given a token runs opaquely too (a custom Function's is traced
     again as opaque: its backward may read `.grad`); hooks given one get the value
     and hand back theirs by reference;
@@ -43,6 +49,18 @@ REASON = "passed by reference"
 def token(dtype, device) -> OutputMeta:
     """A token's layout: an empty plain tensor (its value is held beside the graph)."""
     return OutputMeta([0], dtype, torch.device(device), [1])
+
+
+def root_values(t, args, roots) -> list:
+    """The root grads (`t` the tracer), validated as the engine validates them; one held by
+    reference is its token (the call given it gets the value)."""
+    held = set(t.c.held)
+    values = list(t.capture.root_values([args[g] if g >= 0 and g not in held else None for _, _, g in roots]))
+    for k, (_, _, g) in enumerate(roots):
+        if g in held:
+            values[k] = args[g]
+            t.refs[id(args[g])] = (("lifted", g), args[g])
+    return values
 
 
 def sum_grads(t, a: Value, b: Value) -> Value:

@@ -137,7 +137,7 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
     lifted = list(capture.lifted())
     n_native = len(lifted)
     lift = _Lifter(lifted)
-    wrappers, wrapper_keys = flatten_wrappers(capture, lifted, lift)
+    wrappers, wrapper_keys, held = flatten_wrappers(capture, lifted, lift)
     unpacked, in_graph, shapes, hooks = [], [], [], []
     for i, ((hook, packed), (meta, learned)) in enumerate(zip(saved_hooks, metas)):
         if meta is None:  # unpredictable: unpacked now, a graph input
@@ -182,6 +182,7 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
         grad_on_ctx=grad_on_ctx,
         n_aot=len(aot_ints),
         wrappers=wrappers,
+        held=held,
     )
     return collected
 

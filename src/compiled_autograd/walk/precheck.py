@@ -81,9 +81,22 @@ def precheck(roots, grads, create_graph, inputs, accumulate_grad) -> tuple[str |
         return "TorchDispatchMode active", False
     for g in grads:
         if g is not None and type(g) not in (torch.Tensor, torch.nn.Parameter):
-            if not (SUBCLASSES and is_traceable_wrapper_subclass(g)):
+            if not SUBCLASSES or not (is_traceable_wrapper_subclass(g) or _held(g)):
                 return "tensor subclass root grad", False
     return None, False
+
+
+def _held(g) -> bool:
+    """A `__torch_dispatch__` subclass without __tensor_flatten__ (not a nested tensor)."""
+    return (type(g) not in (torch.Tensor, torch.nn.Parameter) and not is_traceable_wrapper_subclass(g) and not g.is_nested
+            and torch._C._dispatch_keys(g).has(torch._C.DispatchKey.Python))
+
+
+def opaque_subclasses(grads) -> bool:
+    """Whether a root grad is a tensor subclass the graph cannot flatten (no __tensor_flatten__):
+    it is held by reference, and every node that takes or returns a subclass's grad runs as is
+    (NOTE [Values passed by reference], nodes/references.py)."""
+    return any(g is not None and _held(g) for g in grads)
 
 
 def _is_functorch_wrapped(t) -> bool:

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..errors import Fallback, Unkeyable
+from ..errors import Fallback, OpaqueSubclasses, Unkeyable
 from ..nodes.state import value_key
 from . import precheck
 
@@ -44,17 +44,25 @@ def _meta_key(v):
     return value_key(v, _no_tensor, user=True)
 
 
-def flatten_wrappers(capture, lifted: list, lift) -> tuple[tuple, tuple]:
-    """(a Wrapper per lifted wrapper subclass, their key entries); raises Fallback where one is
-    not supported (yet). Their inner tensors are lifted through `lift` (deduplicated by
-    identity: two subclasses may share one, a ScaledTensor's scale)."""
-    wrappers, keys = [], []
+def flatten_wrappers(capture, lifted: list, lift) -> tuple[tuple, tuple, tuple]:
+    """(a Wrapper per lifted wrapper subclass, their key entries, the lifted indices held by
+    reference); raises Fallback where one is not supported (yet). Their inner tensors are
+    lifted through `lift` (deduplicated by identity: two subclasses may share one, a
+    ScaledTensor's scale). A root grad of a subclass without __tensor_flatten__ is held by
+    reference, its nodes opaque (NOTE [Values passed by reference], nodes/references.py)."""
+    wrappers, keys, held = [], [], []
+    roots = {g for _, _, g in capture.roots() if g >= 0} if capture.opaque_subclasses else ()
     for i in capture.wrapped():
         t = lifted[i]
         if not precheck.SUBCLASSES:
             raise Fallback("tensor subclass")
         if not is_traceable_wrapper_subclass(t):
-            raise Fallback(f"tensor subclass {type(t).__name__} without __tensor_flatten__")
+            if i in roots:
+                held.append(i)
+                keys.append(("R", i, type(t)))
+                continue
+            why = f"tensor subclass {type(t).__name__} without __tensor_flatten__"
+            raise Fallback(why) if capture.opaque_subclasses else OpaqueSubclasses(why)
         names, meta = t.__tensor_flatten__()
         inner, consts = [], []
         for name in names:
@@ -77,4 +85,4 @@ def flatten_wrappers(capture, lifted: list, lift) -> tuple[tuple, tuple]:
             raise Fallback(f"tensor subclass {type(t).__name__} whose flatten metadata is unkeyable: {e}") from None
         wrappers.append(Wrapper(i, type(t), tuple(inner), tuple((n, v) for n, v, _ in consts), meta, tuple(t.shape), tuple(t.stride())))
         keys.append(("W", i, type(t), tuple(names), meta_key, tuple(j for _, j in inner), tuple((n, k) for n, _, k in consts)))
-    return tuple(wrappers), tuple(keys)
+    return tuple(wrappers), tuple(keys), tuple(held)
