@@ -582,3 +582,36 @@ def test_a_subclass_without_tensor_flatten_under_a_plain_loss(backend):
     st = ca.stats()
     assert (st.learning_backwards, st.captures, st.hits, st.eager_fallbacks) == (1, 1, 1, 0)
     assert set(st.opaque_reasons) == {"tensor subclass"}
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("which", ["pre", "post"])
+def test_node_hooks_given_a_subclass(backend, which):
+    """A node's pre or post hook given ScaledTensor grads: what it returns is held by reference,
+    the nodes after it opaque, and the weight's AccumulateGrad (in the graph: hooks could see
+    `.grad`) gets the value with no other reference, as eager's engine hands it over (with one,
+    AccumulateGrad copies it, which this ScaledTensor's dispatch gets wrong). Before: a fallback."""
+    def steps(scope):
+        torch.manual_seed(0)
+        w = scaled(torch.randn(4, 8), 0.5, requires_grad=True)
+        out = []
+        for _ in range(3):
+            loss = torch.tanh(torch.randn(3, 8) @ w.t()).sum()
+            tanh = loss.grad_fn.next_functions[0][0]
+            if which == "pre":
+                tanh.register_prehook(lambda gO: (gO[0] * 2,))
+            else:
+                tanh.register_hook(lambda gI, gO: (gI[0] * 3,))
+            with scope():
+                loss.backward()
+            assert type(w.grad) is ScaledTensor
+            out.append((w.grad._data.clone(), w.grad._scale.clone()))
+        return out
+
+    want = steps(ca.disable)
+    ca.reset()
+    got = steps(lambda: ca.enable(backend=backend, fullgraph=True))
+    assert all(torch.equal(a, b) for w, g in zip(want, got) for a, b in zip(w, g))
+    st = ca.stats()
+    assert (st.captures, st.hits, st.eager_fallbacks) == (1, 2, 0)
+    assert set(st.opaque_reasons) == {"tensor subclass"}

@@ -56,6 +56,7 @@ import torch
 
 from ..errors import ResumeHere
 from ..nodes import SLOT_KINDS
+from ..nodes.accumulate import HANDED_OVER
 from ..values import observed_layout
 from .checks import _check_ctx, _check_versions, _hooks_added_error, _shared_modified_error, _still_empty_error
 from .protocol import DEFINEDNESS, DTYPES, DEVICE_TYPES, KEEPS_INPUTS, PASSES_SHIFT, ReplayFrame, decode_meta
@@ -199,12 +200,13 @@ def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
         if torch.is_grad_enabled() != capture.grad_mode:
             torch._C._set_grad_enabled(capture.grad_mode)
     before = [args[i]._version if args[i] is not None else 0 for i in shared]
-    by_ref_out = ()
+    by_ref_out = handed = ()
     if s.by_reference:  # NOTE [Values passed by reference] (nodes/references.py)
-        by_ref_in, by_ref_out = s.by_reference
+        by_ref_in, by_ref_out, *handed = s.by_reference
+        handed = handed[0] if handed else ()
         args = list(args)
         for i, src in by_ref_in:
-            args[i] = frame.refs[src]
+            args[i] = frame.refs.pop(src) if src in handed else frame.refs[src]
     flat = args
     if s.rebuild:  # tensor subclass arguments, passed as their inner tensors (Slot.rebuild)
         args = _rebuild(args, s.rebuild, in_flags)
@@ -218,7 +220,8 @@ def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
     undo = _set_exclude_set(outside, inside) if inside != outside else ()
     try:
         if row.accumulates:
-            outs = row.run(capture, node, args, mask, None, hooks, steal if fresh and not s.by_reference else None)
+            outs = row.run(capture, node, args, mask, None, hooks,
+                           (HANDED_OVER if handed else None) if s.by_reference else steal if fresh else None)
         elif by_ref_out:
             outs = _run_slot(capture, slot, row, node, mask, args, meta, flags, hooks, None, observed, False, s.out_specs,
                              (frame.refs, by_ref_out))

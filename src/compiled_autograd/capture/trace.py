@@ -161,7 +161,8 @@ class _BackwardTracer:
         definedness, and passes None for an undefined one, as eager would.
         `by_reference_outs`: the outputs it hands on by reference (NOTE [Values passed by
         reference]); an argument that is a token gets its value back before the call."""
-        args, out_metas, rebuild, out_specs = subclass_calls.flatten_args(self, kind, args, out_metas, flags, outs_like_args)
+        args, out_metas, rebuild, out_specs, held = subclass_calls.flatten_args(self, kind, args, out_metas, flags, outs_like_args)
+        by_reference_outs = tuple(by_reference_outs) + held
         mask = tuple(m is not None for m in out_metas)
         slot = len(self.slots)
         by_reference = ()
@@ -448,7 +449,7 @@ def _plan(gm, tracer, collected, captured, differentiable, num_results) -> Plan:
     )
     slots, watch = reorder_for_calls(
         gm,
-        mark_shared_args(gm, mark_fresh_grads(gm, tracer.slots)),
+        mark_shared_args(gm, mark_fresh_grads(gm, references.handed_over(tracer.slots, tracer.by_reference))),
         version_checked_inputs(collected),
         passable_inputs(collected),
         collected.arriving,

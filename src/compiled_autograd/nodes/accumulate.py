@@ -8,6 +8,8 @@ from __future__ import annotations
 from ..values import CallHow, NodeFamily, NodeKind, SlotKind
 from .grads import Value
 
+HANDED_OVER = "handed over"  # `steal` for a grad held by reference nothing reads after it (references.handed_over)
+
 FAMILY = "AccumulateGrad"
 # its trace is the tracer's loop's own (`trace` below, with the leaf's hooks: capture/trace.py);
 # the hooks on it read no saved tensor; enable(opaque=...) never names it (it writes `.grad`)
@@ -77,6 +79,14 @@ def accumulate(capture, node, args, steal, hooked=False):
     grad, defined = args[0], (args[1] if len(args) > 1 else None)
     if grad is None or (defined is not None and not bool(defined)):
         return []
+    if steal == HANDED_OVER and not hooked:
+        # a value held by reference (NOTE [Values passed by reference], references.py): handed to
+        # AccumulateGrad with no Python reference left, as the engine hands it over
+        box, args[0] = [grad], None
+        del grad
+        capture.apply_results(box, [(node, 0)], [])
+        return []
+    steal = None if steal == HANDED_OVER else steal
     # (the new tensor on the grad's memory is made there: no Python object refers to it)
     capture.accumulate_graph_grad(node, grad, hooked, steal)
     return []

@@ -23,10 +23,14 @@ a result that is a token is replaced by its value before it is applied
     makes the backward run in eager;
   * a built-in node given a token runs opaquely too (a custom Function's is traced
     again as opaque: its backward may read `.grad`); hooks given one get the value
-    and hand back theirs by reference;
+    and hand back theirs by reference, and so do a node's pre and post hooks given a
+    traceable subclass (capture/subclass_calls.py);
   * two grads of one input, one a token, are summed by a call (SUM), as the
     engine's InputBuffer sums them;
-  * AccumulateGrad and grad()'s results take the value itself (replay/run.py).
+  * AccumulateGrad and grad()'s results take the value itself (replay/run.py); an
+    AccumulateGrad call in the graph takes it with no Python reference left
+    (`handed_over`), as the engine hands a grad over: it may steal it, and copying
+    it instead ran the subclass's own clone (a test's ScaledTensor gets that wrong).
 So a nested tensor runs its nodes opaquely, each, and what is plain around them
 (a Linear's weight and bias grads) is compiled; never a whole-backward fallback.
 A graph's first run does not stop at a call once values are held (NOTE [A call
@@ -38,6 +42,7 @@ from __future__ import annotations
 import torch
 
 from ..values import OutputMeta, SlotKind
+from .accumulate import ACCUMULATE
 from .grads import Value
 
 FAMILY = "references"
@@ -68,6 +73,15 @@ def sum_grads(t, a: Value, b: Value) -> Value:
     engine's InputBuffer sums them, and handed on by reference."""
     (out,), flag = t._call(SUM, t.at, [a.t, b.t], [OutputMeta.like(a.t)], flags=True, values=[a, b], by_reference_outs=(0,))
     return Value(out, ((flag, 0),), exact=True)
+
+
+def handed_over(slots, results) -> list:
+    """The slots, each with the sources its AccumulateGrad takes over appended to its
+    `by_reference` (those no result reads): the kernel drops them from the frame first, so that
+    AccumulateGrad may steal the value, as the engine hands it over."""
+    read = {src for _, src in results}
+    return [s._replace(by_reference=(*s.by_reference, tuple(src for _, src in s.by_reference[0] if src not in read)))
+            if s.by_reference and s.kind == ACCUMULATE else s for s in slots]
 
 
 def _run_sum(capture, node, args, mask, metas, hooks, steal):
