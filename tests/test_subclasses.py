@@ -399,6 +399,16 @@ def test_loss_parallel_is_in_the_key(fake2):
 #    NestedTensor's nodes run opaquely, each, and its grads are held beside the graph
 
 
+def _bitwise_against_eager(steps, **enable):
+    """`steps(scope)` (per step, a list of tensors) run in eager and under
+    `ca.enable(fullgraph=True, **enable)`: bitwise equal; the stats of the compiled run."""
+    want = steps(ca.disable)
+    ca.reset()
+    got = steps(lambda: ca.enable(fullgraph=True, **enable))
+    assert all(torch.equal(a, b) for w, g in zip(want, got) for a, b in zip(w, g))
+    return ca.stats()
+
+
 def _njt(i):
     return torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(5 + i, 4)], layout=torch.jagged, requires_grad=True)
 
@@ -432,11 +442,7 @@ def _njt_steps(scope, case, n=4):
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("case", ["plain", "used twice", "hook", "grad"])
 def test_nested_tensor_runs_opaque_per_node(backend, case):
-    want = _njt_steps(ca.disable, case)
-    ca.reset()
-    got = _njt_steps(lambda: ca.enable(backend=backend, fullgraph=True), case)
-    assert all(torch.equal(a, b) for w, g in zip(want, got) for a, b in zip(w, g))
-    s = ca.stats()
+    s = _bitwise_against_eager(lambda scope: _njt_steps(scope, case), backend=backend)
     # (before: the whole backward in eager, counted as the user's misuse, then as "tensor subclass")
     assert s.eager_fallbacks == 0 and s.hits >= 1 and s.captures >= 1, s
     assert set(s.opaque_reasons) == {"tensor subclass"}
@@ -472,11 +478,7 @@ def _scaled_opaque_steps(scope):
 def test_an_opaque_node_returning_a_subclass(backend):
     """An opaque node whose grad is a ScaledTensor hands it on by reference; the nodes given it
     run opaquely too (before: a whole-backward fallback)."""
-    want = _scaled_opaque_steps(ca.disable)
-    ca.reset()
-    got = _scaled_opaque_steps(lambda: ca.enable(backend=backend, fullgraph=True, opaque=["TanhBackward0"]))
-    assert all(torch.equal(a, b) for w, g in zip(want, got) for a, b in zip(w, g))
-    s = ca.stats()
+    s = _bitwise_against_eager(_scaled_opaque_steps, backend=backend, opaque=["TanhBackward0"])
     assert s.eager_fallbacks == 0 and s.hits == 1 and s.captures == 1
     assert s.opaque_reasons == {"marked opaque": 2, "tensor subclass": 4}
 
@@ -495,11 +497,7 @@ def test_subclass_graph_with_new_sizes_is_captured_static():
             out.append((w.grad._data.clone(), w.grad._scale.clone()))
         return out
 
-    want = steps(ca.disable)
-    ca.reset()
-    got = steps(lambda: ca.enable(backend="aot_eager", fullgraph=True))
-    assert all(torch.equal(a, b) for w, g in zip(want, got) for a, b in zip(w, g))
-    st = ca.stats()
+    st = _bitwise_against_eager(steps, backend="aot_eager")
     assert (st.captures, st.dynamic_captures, st.hits, st.eager_fallbacks) == (2, 0, 1, 0)
 
 
@@ -537,11 +535,7 @@ def _unflattened_steps(scope):
 def test_a_subclass_without_tensor_flatten_runs_opaque_per_node(backend):
     """Its root grad and every grad of its type are held by reference, the nodes that take or
     return one opaque (before: a whole-backward fallback, "tensor subclass root grad")."""
-    want = _unflattened_steps(ca.disable)
-    ca.reset()
-    got = _unflattened_steps(lambda: ca.enable(backend=backend, fullgraph=True))
-    assert all(torch.equal(a, b) for w, g in zip(want, got) for a, b in zip(w, g))
-    st = ca.stats()
+    st = _bitwise_against_eager(_unflattened_steps, backend=backend)
     # (the first backward learns the opaque nodes' output layouts in eager; then a capture, a hit)
     assert (st.learning_backwards, st.captures, st.hits, st.eager_fallbacks) == (1, 1, 1, 0)
     assert set(st.opaque_reasons) == {"tensor subclass"}
@@ -575,11 +569,7 @@ def test_a_subclass_without_tensor_flatten_under_a_plain_loss(backend):
             out.append([x.grad.elem.clone(), getattr(lin.weight.grad, "elem", lin.weight.grad).clone()])
         return out
 
-    want = steps(ca.disable)
-    ca.reset()
-    got = steps(lambda: ca.enable(backend=backend, fullgraph=True))
-    assert all(torch.equal(a, b) for w, g in zip(want, got) for a, b in zip(w, g))
-    st = ca.stats()
+    st = _bitwise_against_eager(steps, backend=backend)
     assert (st.learning_backwards, st.captures, st.hits, st.eager_fallbacks) == (1, 1, 1, 0)
     assert set(st.opaque_reasons) == {"tensor subclass"}
 
@@ -608,10 +598,6 @@ def test_node_hooks_given_a_subclass(backend, which):
             out.append((w.grad._data.clone(), w.grad._scale.clone()))
         return out
 
-    want = steps(ca.disable)
-    ca.reset()
-    got = steps(lambda: ca.enable(backend=backend, fullgraph=True))
-    assert all(torch.equal(a, b) for w, g in zip(want, got) for a, b in zip(w, g))
-    st = ca.stats()
+    st = _bitwise_against_eager(steps, backend=backend)
     assert (st.captures, st.hits, st.eager_fallbacks) == (1, 2, 0)
     assert set(st.opaque_reasons) == {"tensor subclass"}
