@@ -291,7 +291,7 @@ class _OneBackward:
                 del first
             else:
                 if entry.plan.resume:  # NOTE [A call output in another layout on a graph's first run] (capture/resume.py)
-                    from .capture.resume import first_run as resumable_run
+                    from .capture.first_run import first_run as resumable_run
 
                     first_run, self.recorded = resumable_run(entry, collected), True  # (the entry's function runs next time)
                 results = run_graph(entry, self.capture, self.lifted, self.extra, collected.hooks, free_on_failure=not self.keep_graph,

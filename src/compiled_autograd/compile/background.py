@@ -17,6 +17,7 @@ from ..observe.logs import compile_status
 from ..observe.stats import LOCK, STATS
 from . import backends, boxed
 from . import child, share
+from .child import exiting
 from . import torch_patches
 from .torch_patches import in_background
 
@@ -261,12 +262,6 @@ def _cancel(thread: threading.Thread) -> None:
 
     if thread.ident is not None and thread.is_alive():
         ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(CompileCancelled))
-
-
-def exiting() -> bool:
-    """Whether the interpreter is exiting: threading's shutdown has begun (it first runs the
-    executors' exit hooks, after which they refuse new work), or the main thread has ended."""
-    return getattr(threading, "_SHUTTING_DOWN", False) or not threading.main_thread().is_alive()
 
 
 def synchronize(timeout: float | None = None) -> bool:

@@ -385,10 +385,14 @@ FINISH_AFTER_EXIT = float(config.FINISH_AFTER_EXIT.read())
 left_after_exit: list = []  # pids of the children left to finish (explain())
 
 
+def exiting() -> bool:
+    """Whether the interpreter is exiting: threading's shutdown has begun (it first runs the
+    executors' exit hooks, after which they refuse new work), or the main thread has ended."""
+    return getattr(threading, "_SHUTTING_DOWN", False) or not threading.main_thread().is_alive()
+
+
 def _left_to_finish(proc) -> bool:
     """At exit (a CompileCancelled): whether the child goes on after this process."""
-    from .background import exiting
-
     if FINISH_AFTER_EXIT <= 0 or not exiting() or proc.poll() is not None:
         return False
     left_after_exit.append(proc.pid)
