@@ -601,3 +601,28 @@ def test_node_hooks_given_a_subclass(backend, which):
     st = _bitwise_against_eager(steps, backend=backend)
     assert (st.captures, st.hits, st.eager_fallbacks) == (1, 2, 0)
     assert set(st.opaque_reasons) == {"tensor subclass"}
+
+
+def test_a_value_held_by_reference_lives_as_long_as_in_eager():
+    """A nested grad held by reference is dropped by its last reader (ReluBackward0 here), as the
+    engine drops it: a hook that runs later finds it freed (before: held to the graph's end)."""
+    import weakref
+
+    def run(scope):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(4, 3)
+        freed = []
+        for i in range(4):
+            y = lin(_njt(i))
+            z = torch.relu(y)
+            refs = []
+            z.register_hook(lambda g: refs.append(weakref.ref(g)))
+            y.register_hook(lambda g: freed.append(refs[0]() is None))
+            with scope():
+                z.values().sum().backward()
+        return freed
+
+    assert run(ca.disable) == [True] * 4
+    ca.reset()
+    assert run(lambda: ca.enable(backend="aot_eager", fullgraph=True, disk_cache=False)) == [True] * 4
+    assert ca.stats().captures >= 1 and ca.stats().eager_fallbacks == 0

@@ -206,7 +206,9 @@ def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
         handed = handed[0] if handed else ()
         args = list(args)
         for i, src in by_ref_in:
-            args[i] = frame.refs.pop(src) if src in handed else frame.refs[src]
+            args[i] = frame.refs[src]
+        for src in handed:
+            del frame.refs[src]
     flat = args
     if s.rebuild:  # tensor subclass arguments, passed as their inner tensors (Slot.rebuild)
         args = _rebuild(args, s.rebuild, in_flags)

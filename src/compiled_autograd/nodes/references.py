@@ -27,10 +27,12 @@ a result that is a token is replaced by its value before it is applied
     traceable subclass (capture/subclass_calls.py);
   * two grads of one input, one a token, are summed by a call (SUM), as the
     engine's InputBuffer sums them;
-  * AccumulateGrad and grad()'s results take the value itself (replay/run.py); an
-    AccumulateGrad call in the graph takes it with no Python reference left
-    (`handed_over`), as the engine hands a grad over: it may steal it, and copying
-    it instead ran the subclass's own clone (a test's ScaledTensor gets that wrong).
+  * AccumulateGrad and grad()'s results take the value itself (replay/run.py).
+A value is dropped from the frame by its last reader (`handed_over`), so it lives
+as long as eager's engine keeps it; an AccumulateGrad call in the graph then takes
+it with no Python reference left, as the engine hands a grad over: it may steal
+it (copying it instead ran the subclass's own clone, which a test's ScaledTensor
+gets wrong).
 So a nested tensor runs its nodes opaquely, each, and what is plain around them
 (a Linear's weight and bias grads) is compiled; never a whole-backward fallback.
 A graph's first run does not stop at a call once values are held (NOTE [A call
@@ -42,7 +44,6 @@ from __future__ import annotations
 import torch
 
 from ..values import OutputMeta, SlotKind
-from .accumulate import ACCUMULATE
 from .grads import Value
 
 FAMILY = "references"
@@ -76,12 +77,16 @@ def sum_grads(t, a: Value, b: Value) -> Value:
 
 
 def handed_over(slots, results) -> list:
-    """The slots, each with the sources its AccumulateGrad takes over appended to its
-    `by_reference` (those no result reads): the kernel drops them from the frame first, so that
-    AccumulateGrad may steal the value, as the engine hands it over."""
-    read = {src for _, src in results}
-    return [s._replace(by_reference=(*s.by_reference, tuple(src for _, src in s.by_reference[0] if src not in read)))
-            if s.by_reference and s.kind == ACCUMULATE else s for s in slots]
+    """The slots, each with the sources it is the last to read appended to its `by_reference`
+    (those no result reads): the kernel drops them from the frame as it takes them, so that a
+    value lives as long as in eager (its last reader), and an AccumulateGrad given one may steal
+    it, as the engine hands a grad over (calls run in the traced order: the last slot is the
+    last reader)."""
+    last = {src: i for i, s in enumerate(slots) if s.by_reference for _, src in s.by_reference[0]}
+    for _, src in results:
+        last.pop(src, None)
+    return [s._replace(by_reference=(*s.by_reference, tuple({src for _, src in s.by_reference[0] if last.get(src) == i})))
+            if s.by_reference else s for i, s in enumerate(slots)]
 
 
 def _run_sum(capture, node, args, mask, metas, hooks, steal):
