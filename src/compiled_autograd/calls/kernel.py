@@ -117,7 +117,7 @@ class replaying:
         # observed: (slot, output) -> the layout a call's output had where it was not the
         # traced one (NOTE [Layouts of call outputs])
         # refs: (slot, output) -> what a call handed on by reference (NOTE [Values passed by
-        # reference], capture/trace.py)
+        # reference], nodes/references.py)
         self.refs = {} if refs is None else refs
         self.frame = ReplayFrame(capture, slots, torch._C._dispatch_tls_local_exclude_set(), hooks, steal, keep, versions, ctx, releases,
                                  observed, self.refs)
@@ -224,16 +224,14 @@ def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
         if row.accumulates:
             outs = row.run(capture, node, args, mask, None, hooks,
                            (HANDED_OVER if handed else None) if s.by_reference else steal if fresh else None)
-        elif by_ref_out:
-            outs = _run_slot(capture, slot, row, node, mask, args, meta, flags, hooks, None, observed, False, s.out_specs,
-                             (frame.refs, by_ref_out))
         else:
             keeps = keep and flags & KEEPS_INPUTS
             # a grad a hook keeps (`seen.append(g)`) must not become `.grad` as it is: eager's
             # AccumulateGrad sees the hook's reference and copies (NOTE [Stealing a fresh grad])
-            counts = [(a, sys.getrefcount(a)) for a in args if a is not None] if steal is not None and not row.ordering_args else ()
+            # (plain tensors only: a subclass or a value held by reference is never a graph buffer to steal)
+            counts = [(a, sys.getrefcount(a)) for a in args if type(a) in _PLAIN] if steal is not None and not row.ordering_args else ()
             outs = _run_slot(capture, slot, row, node, mask, args, meta, flags, hooks, shared if keeps else None, observed,
-                             slot in _replay.resumable[-1], s.out_specs)
+                             slot in _replay.resumable[-1], s.out_specs, (frame.refs, by_ref_out) if by_ref_out else None)
             for a, n in counts:
                 if sys.getrefcount(a) - sum(o is a for o in outs) > n:
                     steal.add(a)
@@ -256,6 +254,9 @@ def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
     finally:
         for k, excluded in undo:
             torch._C._dispatch_tls_set_dispatch_key_excluded(k, excluded)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _rebuild(flat, rebuild, in_flags) -> list:
