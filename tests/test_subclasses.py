@@ -517,13 +517,28 @@ class Unflattened(torch.Tensor):
         return tree_map(lambda t: Unflattened(t) if isinstance(t, torch.Tensor) else t, out)
 
 
-def _unflattened_steps(scope):
+class _Unwrap(torch.autograd.Function):
+    """An Unflattened in, a plain tensor out; its backward gives an Unflattened grad."""
+
+    @staticmethod
+    def forward(ctx, w):
+        return w.elem * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return Unflattened(g * 2)
+
+
+def _unflattened_steps(scope, plain_loss=False):
     torch.manual_seed(0)
     lin = torch.nn.Linear(4, 3)
     out = []
     for _ in range(3):
         x = Unflattened(torch.randn(5, 4), requires_grad=True)
-        loss = torch.tanh(lin(x)).sum()  # (an Unflattened loss: its root grad is one too)
+        if plain_loss:  # (a custom Function unwraps it: the loss is a plain tensor)
+            loss = (_Unwrap.apply(torch.tanh(lin(x))) * torch.randn(5, 3)).sum()
+        else:  # (an Unflattened loss: its root grad is one too)
+            loss = torch.tanh(lin(x)).sum()
         with scope():
             loss.backward()
         assert type(x.grad) is Unflattened
@@ -541,35 +556,11 @@ def test_a_subclass_without_tensor_flatten_runs_opaque_per_node(backend):
     assert set(st.opaque_reasons) == {"tensor subclass"}
 
 
-class _Unwrap(torch.autograd.Function):
-    """An Unflattened in, a plain tensor out; its backward gives an Unflattened grad."""
-
-    @staticmethod
-    def forward(ctx, w):
-        return w.elem * 2
-
-    @staticmethod
-    def backward(ctx, g):
-        return Unflattened(g * 2)
-
-
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_a_subclass_without_tensor_flatten_under_a_plain_loss(backend):
     """The walk finds an Unflattened among what the graph would lift and walks again with every
     node that takes or returns a subclass's grad opaque (before: a whole-backward fallback)."""
-    def steps(scope):
-        torch.manual_seed(0)
-        lin = torch.nn.Linear(4, 3)
-        out = []
-        for _ in range(3):
-            x = Unflattened(torch.randn(5, 4), requires_grad=True)
-            loss = (_Unwrap.apply(torch.tanh(lin(x))) * torch.randn(5, 3)).sum()
-            with scope():
-                loss.backward()
-            out.append([x.grad.elem.clone(), getattr(lin.weight.grad, "elem", lin.weight.grad).clone()])
-        return out
-
-    st = _bitwise_against_eager(steps, backend=backend)
+    st = _bitwise_against_eager(lambda scope: _unflattened_steps(scope, plain_loss=True), backend=backend)
     assert (st.learning_backwards, st.captures, st.hits, st.eager_fallbacks) == (1, 1, 1, 0)
     assert set(st.opaque_reasons) == {"tensor subclass"}
 
