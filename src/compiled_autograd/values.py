@@ -314,10 +314,19 @@ class Slot(NamedTuple):
     # inner tensors (a tensor hook's new value of a DTensor grad): checked and flattened by the
     # kernel, rebuilt by the graph
     out_specs: tuple = ()
-    # NOTE [Values passed by reference] (nodes/references.py): ((argument position, source), ...)
-    # for the arguments that are tokens of a value held beside the graph, and the positions of
-    # its outputs that it hands on that way; a source is (slot, output position)
-    by_reference: tuple = ()
+    # NOTE [Values passed by reference] (nodes/references.py): None, or what of its arguments
+    # and outputs are values held beside the graph
+    by_reference: "ByReference | None" = None
+
+
+class ByReference(NamedTuple):
+    """A call's values held beside the graph (NOTE [Values passed by reference],
+    nodes/references.py). A source names a value: (slot, output position) of the call that
+    handed it on, or ("lifted", index) for a root grad held from the start."""
+
+    args: tuple  # (argument position, source) per argument that is a token: the value replaces it
+    outs: tuple  # the output positions it hands on by reference (a token in the graph)
+    handed: tuple = ()  # the sources it is the last to read: dropped from the frame as it takes them
 
 
 class SubclassSpec(NamedTuple):

@@ -202,10 +202,9 @@ def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
     before = [args[i]._version if args[i] is not None else 0 for i in shared]
     by_ref_out = handed = ()
     if s.by_reference:  # NOTE [Values passed by reference] (nodes/references.py)
-        by_ref_in, by_ref_out, *handed = s.by_reference
-        handed = handed[0] if handed else ()
+        by_ref_out, handed = s.by_reference.outs, s.by_reference.handed
         args = list(args)
-        for i, src in by_ref_in:
+        for i, src in s.by_reference.args:
             args[i] = frame.refs[src]
         for src in handed:
             del frame.refs[src]
@@ -310,9 +309,9 @@ def _run_slot(capture, slot, row, node, mask, args, meta, flags, hooks, shared=N
     if by_ref is not None:  # NOTE [Values passed by reference] (nodes/references.py): held, a token in the graph
         refs, positions = by_ref
         outs = list(outs) + [None] * (len(mask) - len(outs))
-        for i in positions:
+        for i in positions:  # (the token as traced, whatever the value's dtype: it goes on as eager passes it)
             o, refs[(slot, i)] = outs[i], outs[i]
-            outs[i] = None if o is None else torch.empty(0, dtype=o.dtype, device=o.device)
+            outs[i] = None if o is None else metas[sum(mask[:i])].empty()
     if out_specs:
         outs = _flatten_outputs(row, capture, node, outs, out_specs)
     if stop:

@@ -50,7 +50,7 @@ from .. import config
 from ..errors import Fallback, NeedsOpaque, NotTwiceDifferentiable
 from ..nodes import FAMILIES, accumulate, builtin, hooks, opaque, references, saved_tensors
 from ..calls import protocol
-from ..values import Collected, OutputMeta, Plan, Slot, SubclassSpec
+from ..values import ByReference, Collected, OutputMeta, Plan, Slot, SubclassSpec
 from ..observe.stats import LOCK, STATS
 from .fakes import fake_inputs
 from .record import Recorder, record
@@ -165,10 +165,8 @@ class _BackwardTracer:
         by_reference_outs = tuple(by_reference_outs) + held
         mask = tuple(m is not None for m in out_metas)
         slot = len(self.slots)
-        by_reference = ()
         refs_in = tuple((k, self.refs[id(a)][0]) for k, a in enumerate(args) if self.is_reference(a))
-        if refs_in or by_reference_outs:
-            by_reference = (refs_in, tuple(by_reference_outs))
+        by_reference = ByReference(refs_in, tuple(by_reference_outs)) if refs_in or by_reference_outs else None
         in_flags = values is not None and any(v is not None and v.bits is not None for v in values)
         if in_flags:
             args = list(args) + [self._defined_each(values)]

@@ -82,10 +82,10 @@ def handed_over(slots, results) -> list:
     value lives as long as in eager (its last reader), and an AccumulateGrad given one may steal
     it, as the engine hands a grad over (calls run in the traced order: the last slot is the
     last reader)."""
-    last = {src: i for i, s in enumerate(slots) if s.by_reference for _, src in s.by_reference[0]}
+    last = {src: i for i, s in enumerate(slots) if s.by_reference for _, src in s.by_reference.args}
     for _, src in results:
         last.pop(src, None)
-    return [s._replace(by_reference=(*s.by_reference, tuple({src for _, src in s.by_reference[0] if last.get(src) == i})))
+    return [s._replace(by_reference=s.by_reference._replace(handed=tuple({src for _, src in s.by_reference.args if last.get(src) == i})))
             if s.by_reference else s for i, s in enumerate(slots)]
 
 

@@ -21,7 +21,8 @@ def run_graph(entry: CompiledBackward, capture, lifted, extra, hooks, releases=(
     """Run the entry's function on the lifted tensors (`first_run`: instead, the function
     running a graph's first run, NOTE [A call output in another layout on a graph's first run]
     in capture/resume.py); its results."""
-    refs = {("lifted", i): lifted[i] for i in entry.plan.held}  # (NOTE [Values passed by reference])
+    # root grads held by reference, taken before their stand-ins replace them (NOTE [Values passed by reference])
+    held = [(("lifted", i), lifted[i]) for i in entry.plan.held] if entry.plan.held else None
     if entry.plan.stand_ins:
         stand_in(lifted, entry.plan.stand_ins)
     if entry.plan.differentiable is not None and any(entry.plan.differentiable):
@@ -49,7 +50,7 @@ def run_graph(entry: CompiledBackward, capture, lifted, extra, hooks, releases=(
     def run():
         after = entry.plan.release_after if releases else None
         frame = kernel.replaying(capture, entry.plan.slots, hooks, steal, entry.steals, versions, ctx, after, observed,
-                                getattr(first_run, "resumable", None), dict(refs))
+                                getattr(first_run, "resumable", None), dict(held) if held else None)
         try:
             with frame, torch.no_grad():
                 outs = first_run(args) if first_run is not None else list(entry(args))
