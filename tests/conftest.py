@@ -6,6 +6,7 @@ os.environ.setdefault("COMPILED_AUTOGRAD_LINT", "1")  # every captured graph is 
 
 import pytest
 import torch
+import torch._functorch.config
 
 import compiled_autograd as ca
 

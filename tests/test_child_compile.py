@@ -343,8 +343,8 @@ def test_a_compile_pending_at_exit_finishes_after_it_and_the_next_process_loads_
     while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
         time.sleep(0.5)
     assert not os.path.exists(f"/proc/{pid}"), "the child left to finish did not end"
-    second = subprocess.run([sys.executable, "-c", _LEAVES_A_COMPILE, "3", "load"], env=env, capture_output=True, text=True,
-                            timeout=600)
+    second = subprocess.run([sys.executable, "-c", _LEAVES_A_COMPILE, "3", "load"], capture_output=True, text=True,
+                            env=dict(env, COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="0"), timeout=600)  # (no package made after)
     assert second.returncode == 0, second.stderr[-2000:]
     disk_hits, captures, child_compiles, hits, misses, compiled = second.stdout.split()[-6:]
     assert (disk_hits, captures, child_compiles, hits, misses, compiled) == ("1", "0", "0", "1", "0", "True"), second.stdout
@@ -374,3 +374,126 @@ def test_explain_says_how_a_pending_compile_is_getting_on_and_what_to_do(monkeyp
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert "background compile:" not in ca.explain(file=None)
+
+
+# -- NOTE [Compiled graphs loaded without inductor] (compile/package.py)
+
+_PACKAGED = """
+import sys, torch, compiled_autograd as ca
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+ref = [p.detach().clone().requires_grad_() for p in net.parameters()]
+for step in range(int(sys.argv[1])):
+    x = torch.randn(4, 16)
+    with ca.enable("inductor"):
+        net(x).pow(2).mean().backward()
+    ca.synchronize()
+    y = ref[4] @ torch.nn.functional.layer_norm(torch.nn.functional.gelu(x @ ref[0].t() + ref[1]), (16,), ref[2], ref[3]).t()
+    want = torch.autograd.grad((y.t() + ref[5]).pow(2).mean(), ref)
+    for p, w in zip(net.parameters(), want):  # (inductor's rounding)
+        assert torch.allclose(p.grad, w, rtol=1e-5, atol=1e-6), (p.grad - w).abs().max()
+        p.grad = None
+s = ca.stats()
+print("stats", s.disk_hits, s.captures, s.packages_loaded, s.hits, s.compile_failures, "torch._inductor" in sys.modules)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_a_compiled_graph_is_packaged_after_exit_and_the_next_process_runs_it_without_inductor(tmp_path):
+    """issue 38 item 3: the first process compiles (in its child), and its exit leaves the graph's
+    AOTInductor package made (waited for here: COMPILED_AUTOGRAD_EXIT_WAIT); the next process
+    finds the graph and its package, and runs it compiled from its first backward with no
+    inductor imported; two inputs, the second a hit, each with eager's grads up to inductor's
+    rounding."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, COMPILED_AUTOGRAD_GRAPH_DIR=str(tmp_path / "graphs"), COMPILED_AUTOGRAD_DISK_CACHE="1",
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), COMPILED_AUTOGRAD_CHILD_NICE="0",
+               COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="600", COMPILED_AUTOGRAD_EXIT_WAIT="inf")
+    first = subprocess.run([sys.executable, "-c", _PACKAGED, "2"], env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert first.stdout.split()[-6:] == ["0", "1", "0", "1", "0", "True"], first.stdout
+    assert sorted(p.suffix for p in (tmp_path / "graphs").iterdir()) == [".compiled", ".graph", ".meta", ".pt2"]
+    second = subprocess.run([sys.executable, "-c", _PACKAGED, "2"], env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-2000:]
+    # disk_hits, captures, packages_loaded, hits, compile_failures, inductor imported
+    assert second.stdout.split()[-6:] == ["1", "0", "1", "1", "0", "False"], second.stdout
+
+
+def test_a_package_is_only_used_where_nobody_set_a_config():
+    """A package's key holds what a process can know without importing inductor: a config
+    somebody set (our tests' conftest sets one of functorch's) means none is made or used."""
+    import subprocess
+
+    from compiled_autograd.compile import package
+    from compiled_autograd.config import Config
+
+    assert package.fingerprint(Config(backend="inductor")) is None  # (conftest's setting)
+    check = ("import sys, torch, compiled_autograd as ca\n"
+             "from compiled_autograd.compile import package\n"
+             "from compiled_autograd.config import Config\n"
+             "cfg = Config(backend='inductor')\n"
+             "fp = package.fingerprint(cfg)\n"
+             "import torch._inductor.config as c\n"
+             "assert fp is not None and package.fingerprint(cfg) == fp and package.fingerprint(Config(backend='aot_eager')) is None\n"
+             "with c.patch(size_asserts=False):\n"
+             "    assert package.fingerprint(cfg) is None\n"
+             "assert package.fingerprint(cfg) == fp\n"
+             "c.max_fusion_size = 7\n"
+             "assert package.fingerprint(cfg) is None\n")
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_package_not_written_by_this_user_or_whose_outputs_differ_is_not_used(tmp_path):
+    """Its HMAC is checked before anything is loaded; a package whose first run returns other
+    outputs than its graph (another layout) is dropped, and the graph runs as traced."""
+    import hashlib
+    import hmac
+
+    from compiled_autograd.compile import package
+
+    gm = torch.fx.symbolic_trace(lambda a, b: [torch.ops.aten.mul.Tensor(a, b).t()])
+    path = tmp_path / "x.pt2"
+    path.write_bytes(b"not a package")
+    meta = pickle.dumps([((3, 2), (1, 3), torch.float32)])
+    digest = hashlib.sha256(path.read_bytes()).digest()
+    (tmp_path / "x.pt2.meta").write_bytes(hmac.new(b"other", digest + meta, hashlib.sha256).digest() + meta)
+    assert package.load(package.Slot(str(path), b"mine"), gm) is None
+
+    class Loader:  # (a package of the wrong layout)
+        def run(self, args):
+            return [torch.ops.aten.mul.Tensor(*args).t().contiguous()]
+
+    (tmp_path / "x.pt2.meta").write_bytes(hmac.new(b"mine", digest + meta, hashlib.sha256).digest() + meta)
+    fn = package.Packaged(Loader(), [((3, 2), (1, 3), torch.float32)], gm, str(path))
+    a, b = torch.randn(2, 3), torch.randn(2, 3)
+    out = fn([a, b])
+    assert out[0].stride() == (1, 3) and torch.equal(out[0], (a * b).t())
+    assert not path.exists() and fn.instead is not None
+    assert torch.equal(fn([b, a])[0], (b * a).t())
+
+
+def test_a_background_compile_sees_the_inductor_config_the_training_thread_set(monkeypatch):
+    """torch's configs are context variables: a compile thread started bare saw none of the user's
+    settings (`torch._inductor.config.max_fusion_size = 7` in the training thread went unseen by
+    the compile); it runs in a copy of the training thread's context, outside its enable() scope."""
+    import torch._inductor.config as inductor_config
+
+    from compiled_autograd import config as ca_config
+
+    monkeypatch.setenv("COMPILED_AUTOGRAD_COMPILE_PROCESS", "0")
+    seen = []
+
+    def recording(backend, gm, example_inputs, dynamic=False, patches=None):
+        seen.append((inductor_config.max_fusion_size, ca_config.current()))
+        return gm
+
+    monkeypatch.setattr(backends, "compile_graph", recording)
+    net, x = _model(), torch.randn(4, 16)
+    with inductor_config.patch(max_fusion_size=7), ca.enable("inductor"):
+        _step(net, x)
+    assert ca.synchronize(60)
+    assert seen == [(7, None)], seen

@@ -396,6 +396,20 @@ def test_loss_parallel_is_in_the_key(fake2):
     assert keys[0] == keys[2] != keys[1]
 
 
+def test_a_graph_of_plain_tensors_is_not_keyed_by_dtensor_state(monkeypatch):
+    """DTensor's state is keyed only where a graph traces through a subclass: importing inductor
+    imports DTensor, and a plain graph keyed by it was captured (and compiled) again after its
+    first compile."""
+    states = iter([None] + [(False, ("handlers",))] * 3)
+    monkeypatch.setattr(precheck, "_dtensor_state", lambda: next(states))
+    net = torch.nn.Linear(4, 3)
+    for _ in range(3):
+        with ca.enable(backend="eager"):
+            net(torch.randn(2, 4)).sum().backward()
+    s = ca.stats()
+    assert (s.captures, s.hits) == (1, 2), s
+
+
 # -- values passed by reference (NOTE [Values passed by reference], capture/trace.py): a jagged
 #    NestedTensor's nodes run opaquely, each, and its grads are held beside the graph
 

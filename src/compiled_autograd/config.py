@@ -198,3 +198,9 @@ _active: contextvars.ContextVar[Config | None] = contextvars.ContextVar(
 def current() -> Config | None:
     """The config of the innermost active `enable()` scope, or None."""
     return _active.get()
+
+
+def leave_scopes() -> None:
+    """No `enable()` scope from here on, in this context (a copy of the user's, in which a
+    background compile runs: compile/background.py)."""
+    _active.set(None)

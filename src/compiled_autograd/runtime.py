@@ -22,7 +22,7 @@ from .cache import disk as diskcache
 from .cache import learned
 from .cache.dynamic import plan_capture
 from .replay.entries import CACHE
-from .compile import background, child, share
+from .compile import background, child, package, share
 from .config import Config
 from .errors import BackendOutputError, CompiledAutogradError, Fallback, LearnLayouts, OpaqueSubclasses
 from .observe import captures, reasons
@@ -165,7 +165,7 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
             return _fall_back(cfg, reason, eager, user_error)
         return learned.learn_in_eager(collected, eager)
 
-    key = CacheKey(cfg.backend_key, global_state(), cfg.opaque, create_graph, collected.key)
+    key = CacheKey(cfg.backend_key, global_state(bool(collected.wrappers)), cfg.opaque, create_graph, collected.key)
     reason = REFUSALS.unsupported.get(key) if REFUSALS.unsupported else None
     fam = CACHE.family(key)
     if create_graph and reason is None and fam is None:
@@ -248,7 +248,7 @@ class _OneBackward:
 
     def miss(self, pause):
         """Capture (or load) and compile, run once, cache."""
-        from .capture.entry import capture_and_compile, entry_from_disk  # (a hit never imports tracing)
+        from .capture.stored import entry_from_disk  # (a hit never imports tracing; a graph from disk, neither)
 
         cfg, key, fam, collected = self.cfg, self.key, self.fam, self.collected
         pause.resume()  # tracing and compiling make garbage cycles
@@ -258,16 +258,23 @@ class _OneBackward:
             mask, reason = None, reason + (" (create_graph=True: static shapes)" if mask else " (create_graph=True)")
         pkey = diskcache.portable_key(key, collected.sizes) if cfg.disk_cache and mask is None and not self.create_graph else None
         record = diskcache.load(pkey) if pkey is not None else None
-        fingerprint = child.fingerprint(cfg) if pkey is not None and child.applies_to(cfg) else None
+        # NOTE [Compiled graphs loaded without inductor] (compile/package.py): read before anything imports inductor
+        slot = diskcache.package_slot(pkey, package.fingerprint(cfg)) if pkey is not None else None
+        packaged = package.load(package.Slot(*slot), record["graph"]) if record is not None and slot is not None else None
+        fingerprint = child.fingerprint(cfg) if pkey is not None and packaged is None and child.applies_to(cfg) else None
         if record is not None:
             # NOTE [A graph known compiled] (cache/disk.py): loaded at once where a process compiled it before
             warm = fingerprint is not None and diskcache.known_compiled(pkey, fingerprint) and child.caches_present()
-            entry, first = entry_from_disk(cfg, collected, key, record, reason, warm), None  # (a disk hit computes nothing)
+            # (a disk hit computes nothing)
+            entry, first = entry_from_disk(cfg, collected, key, record, reason, warm, packaged, slot if warm else None), None
             if not warm and fingerprint is not None:
                 background.mark_when_compiled(entry, diskcache.compiled_marker(pkey, fingerprint))
+                background.package_when_compiled(entry, slot)
             pkey = None  # already stored
         else:
             layouts = LEARNED.layouts.of(key)
+            from .capture.entry import capture_and_compile
+
             try:
                 history = tuple(e.sizes for e in fam.entries()) if fam is not None else ()
                 got = capture_and_compile(cfg, collected, key, mask, reason, history, self.create_graph, layouts)
@@ -316,6 +323,7 @@ class _OneBackward:
             diskcache.store(pkey, entry)
             if fingerprint is not None:  # NOTE [A graph known compiled] (cache/disk.py)
                 background.mark_when_compiled(entry, diskcache.compiled_marker(pkey, fingerprint))
+                background.package_when_compiled(entry, slot)
         background.start_compile_of(entry)  # NOTE [Background compile]
         return results
 

@@ -81,7 +81,8 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _warned_dirs: set[str] = set()
 _GRAPH_NAME = re.compile(r"[0-9a-f]{40}\.graph")  # only what we write is counted and evicted
-_TMP_NAME = re.compile(r"[0-9a-f]{40}\.tmp\d+-[0-9a-f]+")
+_TMP_NAME = re.compile(r"[0-9a-f]{40}(-[0-9a-f]{16}\.pt2(\.meta)?)?\.tmp\d+-[0-9a-f]+(\.pt2)?")
+_PACKAGE_NAME = re.compile(r"[0-9a-f]{40}-[0-9a-f]{16}\.pt2(\.meta)?")  # NOTE [Compiled graphs loaded without inductor]
 
 
 def _warn_once(path: Path, why: str) -> None:
@@ -247,7 +248,7 @@ def _evict(root: Path) -> None:
                 if not e.is_file(follow_symlinks=False):
                     continue
                 st = e.stat(follow_symlinks=False)
-                if _GRAPH_NAME.fullmatch(e.name):
+                if _GRAPH_NAME.fullmatch(e.name) or _PACKAGE_NAME.fullmatch(e.name):
                     files.append((st.st_mtime_ns, e.name, st.st_size))
                     total += st.st_size
                 elif _TMP_NAME.fullmatch(e.name) and now - st.st_mtime > STALE_TMP_SECONDS:
@@ -311,6 +312,21 @@ def _marker(pkey: bytes, fingerprint: str) -> Path | None:
     if root is None:
         return None
     return root / (pkey.hex()[:40] + "-" + hashlib.sha256(fingerprint.encode()).hexdigest()[:16] + ".compiled")
+
+
+def package_slot(pkey: bytes, fingerprint: str | None):
+    """Where the graph `pkey`'s package compiled with `fingerprint` lies (NOTE [Compiled graphs
+    loaded without inductor], compile/package.py), and the key of its HMAC: (path, key), or
+    None where there is no cache."""
+    try:
+        root, secret = _root(), _secret()
+        if fingerprint is None or root is None or secret is None:
+            return None
+        name = pkey.hex()[:40] + "-" + hashlib.sha256(fingerprint.encode()).hexdigest()[:16] + ".pt2"
+        return str(root / name), hmac.new(secret, b"package" + pkey + fingerprint.encode(), hashlib.sha256).digest()
+    except Exception:  # NOTE [The disk cache never fails a backward]
+        log.debug("could not name a package", exc_info=True)
+        return None
 
 
 def compiled_marker(pkey: bytes, fingerprint: str) -> tuple | None:

@@ -36,6 +36,8 @@ from . import kernel
 _installed = False
 _lock = threading.Lock()
 _library = None  # the registrations live as long as this library object
+_call = None  # the custom op (install())
+_exempted = False
 
 
 def install() -> None:
@@ -59,7 +61,8 @@ def install() -> None:
         op = torch.ops.compiled_autograd.call.default
         kernel._op = op
         op._compiled_autograd_direct = kernel.direct  # (kernel.DIRECT_KERNEL_NAME)
-        _exempt_from_aliasing_check(call)
+        global _call
+        _call = call
         call.register_fake(kernel.call_fake)
         _register_effect()
         # graph passes that only know FX's own notion of purity must not drop it either
@@ -68,23 +71,34 @@ def install() -> None:
         _installed = True
 
 
-def _exempt_from_aliasing_check(call) -> None:
+def exempt_from_aliasing_check() -> None:
     """AOTAutograd runs a compiled function's first call under a mode that checks that no custom
     op's output aliases its input (torch._functorch.config.check_custom_op_aliasing; an error
     where the environment sets CI, a warning elsewhere). A call that hands its grad back does
     alias, where that is safe (NOTE [Outputs the graph owns]), so under that mode the call runs
-    unchecked; every other op is still checked."""
-    import torch._dynamo  # noqa: F401  (imported first, runtime_wrappers' import is circular)
-
-    try:
-        from torch._functorch._aot_autograd.runtime_wrappers import _AnalyzeCustomOpInputOutputMode
-    except ImportError:  # pragma: no cover - another torch
+    unchecked; every other op is still checked. Done before a backend compiles (compile/), not
+    at install: it imports dynamo (1.1 s, torch 2.13), which a process that loads its graphs
+    compiled (NOTE [Compiled graphs loaded without inductor]) never needs."""
+    global _exempted
+    install()
+    if _exempted:
         return
+    with _lock:
+        if _exempted:
+            return
+        import torch._dynamo  # noqa: F401  (imported first, runtime_wrappers' import is circular)
 
-    def unchecked(mode, func, types, args, kwargs):
-        return func(*args, **(kwargs or {}))
+        try:
+            from torch._functorch._aot_autograd.runtime_wrappers import _AnalyzeCustomOpInputOutputMode
+        except ImportError:  # pragma: no cover - another torch
+            _exempted = True
+            return
 
-    call.register_torch_dispatch(_AnalyzeCustomOpInputOutputMode, unchecked)
+        def unchecked(mode, func, types, args, kwargs):
+            return func(*args, **(kwargs or {}))
+
+        _call.register_torch_dispatch(_AnalyzeCustomOpInputOutputMode, unchecked)
+        _exempted = True
 
 
 def _register_effect() -> None:

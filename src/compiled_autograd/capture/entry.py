@@ -9,9 +9,8 @@ from typing import NamedTuple
 
 from ..replay.entries import CompiledBackward, Dynamic
 from ..compile.background import compile_in_background
-from ..compile import backends, child
+from ..compile import backends
 from ..compile.backends import may_steal
-from ..compile.boxed import static_fakes
 from ..config import Config
 from ..nodes import builtin, compiled_region
 from ..nodes.learned import LEARNED
@@ -25,6 +24,7 @@ from ..values import NodeSummary
 from .create_graph import split_joint
 from ..errors import NotTwiceDifferentiable
 from .fakes import guards_of
+from .stored import described_fakes, unpacked_up_front
 from .trace import capture_backward, leaf_hooks_only
 
 log = logging.getLogger("compiled_autograd")
@@ -149,7 +149,7 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
              trace_seconds=t1 - t0, compile_seconds=t2 - t1, inputs=len(collected.lifted),
              dynamic=describe_dynamic(collected, entry.dynamic), guards=entry.dynamic.guard_source if entry.dynamic else None,
              background=background, create_graph=how, traced=captured.how + (" (its grads were this backward's)" if first is not None else ""),
-             **_unpacked_up_front(collected))
+             **unpacked_up_front(collected))
     )
     log.info("captured %d nodes (%s): trace %.2fs, compile %.2fs", len(names), reason, t1 - t0, t2 - t1)
     if background:
@@ -160,83 +160,6 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
         example = described_fakes(collected.lifted) if first is not None else captured.example_inputs
         compile_in_background(cfg, key, entry, example, what, logged, lambda: dynamic_of(captured, entry.sizes))
     return Miss(entry, first)
-
-
-def entry_from_disk(cfg: Config, collected, key, record, reason: str, warm: bool = False) -> CompiledBackward:
-    """A graph this user's compiled_autograd stored in an earlier process:
-    no trace; the compile comes from the backend's own caches."""
-    t0 = time.perf_counter()
-    gm = record["graph"]
-    expected = expected_outputs(gm)  # (no metadata: the number of outputs)
-    # a graph known compiled (NOTE [A graph known compiled], cache/disk.py) loads now, from the
-    # backend's caches: the second step runs it (a load in the background held the GIL against
-    # the steps meanwhile: 0.5 s steps, against one wait of about a second here)
-    background = cfg.background_compile and not cfg.fullgraph and not warm
-    what = f"compiling a stored backward graph of {len(record['node_names'])} nodes with {cfg.backend_name}"
-    if background:
-        fn = gm
-    else:
-        with compile_status(what):
-            fn = backends.compile_graph(cfg.backend, gm, collected.lifted, patches=cfg.inductor_patches)
-    entry = CompiledBackward(
-        fn=fn,
-        graph=gm,
-        plan=record["plan"],
-        backend=cfg.backend_name,
-        steals=may_steal(cfg.backend),
-        node_names=record["node_names"],
-        num_inputs=record["num_inputs"],
-        reason=reason + " (graph loaded from the disk cache)",
-        trace_seconds=0.0,
-        compile_seconds=time.perf_counter() - t0,
-        sizes=collected.sizes,
-        nodes=record["nodes"],
-        node_keys=record["node_keys"],
-        compiled=not background,
-        compiling=background,
-        expected=expected,
-    )
-    with LOCK:
-        STATS.disk_hits += 1
-        STATS.compile_seconds += entry.compile_seconds
-    logged = log_capture(
-        dict(reason=entry.reason, nodes=len(entry.node_names), backend=cfg.backend_label, opaque=[o[1:] for o in entry.plan.opaque],
-             trace_seconds=0.0, compile_seconds=entry.compile_seconds, inputs=entry.num_inputs, dynamic=[], guards=None,
-             background=background, **_unpacked_up_front(collected))
-    )
-    if background:
-        compile_in_background(cfg, key, entry, _static_fakes(collected.lifted), what, logged)
-    return entry
-
-
-def _unpacked_up_front(collected) -> dict:
-    """How many tensors saved-tensor hooks unpacked when this backward started, and their
-    size: eager unpacks each when its node runs, so these are alive together here, longer
-    than in eager; and how many are unpacked in the graph instead (NOTE [Unpacking in the graph])."""
-    tensors = [collected.lifted[i] for i in collected.up_front]
-    storages = {}
-    for t in tensors:
-        try:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        except (RuntimeError, NotImplementedError):  # no storage to count
-            pass
-    nbytes = sum(storages.values())
-    if tensors:
-        log.info("%d tensors (%.1f MB) unpacked by saved-tensor hooks when the backward started", len(tensors), nbytes / 2**20)
-    return dict(unpacked=len(tensors), unpacked_mb=nbytes / 2**20, in_graph=len(collected.in_graph))
-
-
-def described_fakes(tensors):
-    """The lifted tensors' geometry (child.Described), made into static fakes in the compile's
-    thread once the child process is done with it (no reference to the user's tensors)."""
-    return child.Described(tensors)
-
-
-def _static_fakes(tensors):
-    """Fake copies for a static graph's background compile (no reference to the user's
-    tensors): static shapes, in a mode with a ShapeEnv for inductor's FX graph cache
-    (NOTE [Inductor's FX graph cache for our graphs], compile/boxed.py)."""
-    return static_fakes(tensors)[1]
 
 
 def _example_inputs(captured, collected):

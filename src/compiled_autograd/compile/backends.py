@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .. import calls
 from ..config import BACKENDS, Backend, register
 from ..values import BackendLike
 from .boxed import _boxed_graph_module, _direct_calls_nop, compile_on_static_fakes
@@ -58,6 +59,7 @@ def compile_graph(
     graph is: NOTE [create_graph] in capture/create_graph.py). One compile at a time:
     inductor is not thread-safe, and background compiles run in threads. `patches`:
     inductor config (enable(mode=..., options=...)), set for this compile only."""
+    calls.exempt_from_aliasing_check()
     with compile_lock, torch.no_grad():
         if isinstance(backend, str):
             return BACKENDS[backend].compile(gm, example_inputs, dynamic, patches)

@@ -3,9 +3,11 @@ them (`synchronize`) and for those still running at exit (NOTE [Background compi
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import logging
 import os
+import subprocess
 import threading
 import time
 from typing import Callable
@@ -16,7 +18,7 @@ from ..config import Config
 from ..observe.logs import compile_status
 from ..observe.stats import LOCK, STATS
 from . import backends, boxed
-from . import child, share
+from . import child, package, share
 from .child import exiting
 from . import torch_patches
 from .torch_patches import in_background
@@ -102,6 +104,27 @@ def mark_when_compiled(entry: CompiledBackward, marker: tuple | None) -> None:
             _markers[id(entry)] = marker
 
 
+_slots: dict[int, tuple] = {}  # id(entry) -> its package's slot: NOTE [Compiled graphs loaded without inductor]
+_to_package: list = []  # (graph, described inputs, slot, inductor patches), packaged after exit
+
+
+def package_when_compiled(entry: CompiledBackward, slot) -> None:
+    """Once the entry's background compile succeeded, package its graph after exit (NOTE
+    [Compiled graphs loaded without inductor], compile/package.py) at `slot`."""
+    if slot is not None:
+        with LOCK:
+            _slots[id(entry)] = slot
+
+
+def package_later(graph, described, slot, patches) -> None:
+    """Package this compiled graph after exit, where a package can hold it."""
+    if slot is None or child.FINISH_AFTER_EXIT <= 0 or not package.eligible(graph, described):
+        return
+    with LOCK:
+        _to_package.append((graph, described, slot, patches))
+    _wait_at_exit.register()
+
+
 def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, what: str, logged: dict, redo_dynamic=None) -> None:
     # `example`: fake tensors only, or a child.Described that makes them in the thread; the thread
     # must not keep the user's tensors alive;
@@ -120,6 +143,7 @@ def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, wh
                 with compile_status(what + " (in the background)", detail=share.status), in_background():
                     with LOCK:
                         marker = _markers.pop(id(entry), None)
+                        slot = _slots.pop(id(entry), None)
                     if child.applies(cfg.backend, is_dynamic):  # NOTE [Compiling in a child process]
                         in_child = child.compile_in_child(graph, example, cfg.inductor_patches, marker)
                         with LOCK:
@@ -138,6 +162,8 @@ def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, wh
                 STATS.compile_seconds += time.perf_counter() - t0
             if marker is not None:
                 child.write_marker(*marker)
+            if isinstance(example, child.Described):
+                package_later(graph, example.described, slot, cfg.inductor_patches)
             logged["compile_seconds"] = time.perf_counter() - t0  # its own record: the log may be trimmed
             if dynamic is not None:
                 logged["guards"] = dynamic.guard_source
@@ -167,7 +193,12 @@ def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, wh
             return
         _wait_at_exit.register()
         # (not a daemon: NOTE [Background compiles at exit])
-        thread = threading.Thread(target=work, name="compiled_autograd compile", daemon=False)
+        # in the context of the thread that started it: torch's configs (inductor's, AOTAutograd's)
+        # are context variables, and a thread starts with none of the user's settings (torch 2.13:
+        # `torch._inductor.config.max_fusion_size = 7` in the training thread went unseen)
+        context = contextvars.copy_context()
+        context.run(config.leave_scopes)  # (not in the user's enable() scope, though)
+        thread = threading.Thread(target=context.run, args=(work,), name="compiled_autograd compile", daemon=False)
         with LOCK:
             STATS.compiles_pending += 1
             _pending.add(thread)
@@ -228,30 +259,54 @@ class _WaitAtExit:
         self.registered = True
 
     def __call__(self) -> None:
-        with LOCK:
-            if not _pending:
-                return
-        shared = share.current()
+        _wait_for_compiles()
+        _package_now()
+
+
+def _package_now() -> None:
+    """NOTE [Compiled graphs loaded without inductor]: the graphs compiled here packaged by a
+    child left to finish after exit; waited for where COMPILED_AUTOGRAD_EXIT_WAIT says so."""
+    with LOCK:
+        jobs = list(_to_package)
+        _to_package.clear()
+    if not jobs:
+        return
+    proc = child.package_after_exit(jobs)
+    if proc is not None and config.EXIT_WAIT.read().strip():
         wait = _exit_wait()
-        if shared is not None:  # (waited for now: it runs free)
-            shared.release()
-            if child.FINISH_AFTER_EXIT > 0 and not config.EXIT_WAIT.read():
-                wait = 0.0  # it finishes after this process instead (NOTE [A compile finished after exit])
-        if wait is None or wait > 0:
-            log.info("waiting for %d background compile(s) before exiting", len(_pending))
-            if synchronize(wait):
-                return
-        with LOCK:
-            threads = [t for t in _pending if t.is_alive()]
-        log.info("cancelling %d background compile(s) at exit", len(threads))
-        while threads:
-            with LOCK:  # (only inside the compile: a thread's own bookkeeping is not interrupted)
-                for t in threads:
-                    if t.ident in _compiling:
-                        _cancel(t)
+        log.info("waiting for the packaging of %d graph(s) before exiting", len(jobs))
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _wait_for_compiles() -> None:
+    """Wait for the pending compiles up to COMPILED_AUTOGRAD_EXIT_WAIT, then cancel the rest."""
+    with LOCK:
+        if not _pending:
+            return
+    shared = share.current()
+    wait = _exit_wait()
+    if shared is not None:  # (waited for now: it runs free)
+        shared.release()
+        if child.FINISH_AFTER_EXIT > 0 and not config.EXIT_WAIT.read():
+            wait = 0.0  # it finishes after this process instead (NOTE [A compile finished after exit])
+    if wait is None or wait > 0:
+        log.info("waiting for %d background compile(s) before exiting", len(_pending))
+        if synchronize(wait):
+            return
+    with LOCK:
+        threads = [t for t in _pending if t.is_alive()]
+    log.info("cancelling %d background compile(s) at exit", len(threads))
+    while threads:
+        with LOCK:  # (only inside the compile: a thread's own bookkeeping is not interrupted)
             for t in threads:
-                t.join(1.0)  # (again while one is still compiling: its code may have caught it)
-            threads = [t for t in threads if t.is_alive()]
+                if t.ident in _compiling:
+                    _cancel(t)
+        for t in threads:
+            t.join(1.0)  # (again while one is still compiling: its code may have caught it)
+        threads = [t for t in threads if t.is_alive()]
 
 
 _wait_at_exit = _WaitAtExit()
@@ -300,3 +355,4 @@ def reset() -> None:
     with LOCK:
         _deferred.clear()
         _markers.clear()
+        _slots.clear()

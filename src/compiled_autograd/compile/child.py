@@ -303,7 +303,7 @@ def _child_command(path: str) -> list:
     return [sys.executable, "-c", _BOOT, path]
 
 
-def _run_child(path: str) -> bool:
+def _child_env() -> dict:
     env = dict(os.environ)
     cache = _cache_dir()
     if cache:
@@ -313,6 +313,11 @@ def _run_child(path: str) -> bool:
     # (the package as this process imported it, wherever that is)
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([package_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+def _run_child(path: str) -> bool:
+    env = _child_env()
     t0 = time.perf_counter()
     err = tempfile.TemporaryFile()  # (a file, not a pipe: a child left to finish after exit writes to no one)
     try:
@@ -425,6 +430,32 @@ def _watch_parent(limit: float) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+def package_after_exit(jobs: list):
+    """NOTE [Compiled graphs loaded without inductor]: a child that packages these graphs
+    (each (graph, described inputs, package.Slot, inductor patches)), in its own process
+    group, left to finish after this process; the child's Popen, or None."""
+    try:
+        payload = pickle.dumps({
+            "packages": [(_encode_graph(gm), described, tuple(slot), patches or {}) for gm, described, slot, patches in jobs],
+            "configs": _configs(),
+            "threads": torch.get_num_threads(),
+        })
+        fd, path = tempfile.mkstemp(prefix="compiled_autograd_graph_", suffix=".pkl")
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+        group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+        proc = subprocess.Popen(_child_command(path), env=_child_env(), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **group)
+    except Exception as e:  # (nothing is lost but the next process's speed)
+        log.debug("no package made after exit: %s", e)
+        return None
+    left_after_exit.append(proc.pid)
+    log.info("%d compiled graph(s) packaged in process %d after this one exits, for up to %.0f s, so that the next "
+             "process loads them without inductor (COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0: not made)",
+             len(jobs), proc.pid, FINISH_AFTER_EXIT)
+    return proc
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _watch_parent(FINISH_AFTER_EXIT)
@@ -439,6 +470,18 @@ def main(argv=None) -> int:
             importlib.import_module(name).load_config(saved)
         except Exception:  # pragma: no cover - then the keys may differ: the parent compiles in full
             pass
+    if "packages" in payload:
+        from . import package
+
+        failed = 0
+        for graph, described, slot, patches in payload["packages"]:
+            try:
+                with torch.no_grad():
+                    package.build(_decode_graph(graph), fakes_of(described), package.Slot(*slot), patches)
+            except Exception:  # (the next one may still be made)
+                log.debug("could not package a graph", exc_info=True)
+                failed += 1
+        return int(bool(failed))
     from .inductor import compile_inductor
     from .torch_patches import compile_lock
 

@@ -33,6 +33,9 @@ class Stats:
     child_compiles:  background compiles first done by a child process, whose result the
                      training process loaded from inductor's caches (NOTE [Compiling in a child
                      process] in compile/child.py)
+    packages_loaded: graphs loaded from the disk cache with their compiled package, no
+                     inductor imported (NOTE [Compiled graphs loaded without inductor] in
+                     compile/package.py)
     make_fx_traces:  static captures traced with make_fx because the recorder did not take
                      them (NOTE [Recording a static trace] in capture/record.py)
     live_records:    captures recorded on the real tensors, their results the first backward's
@@ -62,6 +65,7 @@ class Stats:
     compiles_pending: int = 0
     compile_failures: int = 0
     child_compiles: int = 0
+    packages_loaded: int = 0
     layout_copies: int = 0
     layout_resumes: int = 0
     make_fx_traces: int = 0
@@ -87,6 +91,7 @@ class Stats:
             compiles_pending=self.compiles_pending,
             compile_failures=self.compile_failures,
             child_compiles=self.child_compiles,
+            packages_loaded=self.packages_loaded,
             layout_copies=self.layout_copies,
             layout_resumes=self.layout_resumes,
             make_fx_traces=self.make_fx_traces,
@@ -99,6 +104,7 @@ class Stats:
         learning = f"learning_backwards={self.learning_backwards} " if self.learning_backwards else ""
         learning += f"layout_copies={self.layout_copies} " if self.layout_copies else ""
         learning += f"layout_resumes={self.layout_resumes} " if self.layout_resumes else ""
+        learning += f"packages_loaded={self.packages_loaded} " if self.packages_loaded else ""
         learning += f"eager_while_compiling={self.eager_while_compiling} " if self.eager_while_compiling else ""
         return (
             f"captures={self.captures} (dynamic {self.dynamic_captures}) disk_hits={self.disk_hits} hits={self.hits} "

@@ -17,16 +17,19 @@ from ..observe.stats import STATS
 SUBCLASSES = config.SUBCLASSES.read() != "0"
 
 
-def global_state() -> tuple:
+def global_state(dtensors: bool = True) -> tuple:
     # process state a traced formula may branch on; a backward run inside an autocast region
     # runs its formulas autocast (the engine runs CPU work on the calling thread, and a CUDA
-    # device thread takes the caller's autocast state): the dtype per device type, or None
+    # device thread takes the caller's autocast state): the dtype per device type, or None.
+    # DTensor's state only where the graph traces through a subclass (`dtensors`): importing
+    # inductor imports DTensor, and a graph of plain tensors keyed by it was captured again
+    # (and compiled again) once its first compile had imported it
     return (
         torch.get_default_dtype(),
         torch.are_deterministic_algorithms_enabled(),
         torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None,
         torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None,
-        _dtensor_state(),
+        _dtensor_state() if dtensors else None,
     )
 
 
