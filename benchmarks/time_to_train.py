@@ -167,7 +167,9 @@ def _run_one(args, workload: str, mode: str, steps: int, out_dir: Path, until: f
     if args.warm and mode.startswith("ours"):
         # a first process with the same model ran until its compile was in (its exit waits for
         # it), sharing its caches (inductor's, and our disk cache): the next one is measured
+        # (and its compiled package made: NOTE [Compiled graphs loaded without inductor])
         prime = _worker_run(args, workload, mode, 2, out_dir, cache, dict(COMPILED_AUTOGRAD_EXIT_WAIT="inf",
+                                                                          COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="600",
                                                                           COMPILED_AUTOGRAD_DISK_CACHE="1"))
         if prime[0] != 0:
             print(f"    priming run failed: {prime[1][-500:]}", flush=True)

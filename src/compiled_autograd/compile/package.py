@@ -152,6 +152,7 @@ def build(gm: torch.fx.GraphModule, fakes: list, slot: Slot, patches: dict | Non
         with open(tmp, "rb") as f:
             digest = hashlib.sha256(f.read()).digest()
         _write(slot.path + ".meta", hmac.new(slot.key, digest + meta, hashlib.sha256).digest() + meta)
+        os.chmod(tmp, 0o600)  # (as the disk cache's files: NOTE [Private cache])
         os.replace(tmp, slot.path)
     finally:
         if os.path.exists(tmp):
