@@ -376,6 +376,17 @@ def test_explain_says_how_a_pending_compile_is_getting_on_and_what_to_do(monkeyp
     assert "background compile:" not in ca.explain(file=None)
 
 
+def test_explain_says_what_is_packaged_after_exit(monkeypatch):
+    """issue 38 item 3: what is finished after exit is said (NOTE [Compiled graphs loaded without
+    inductor])."""
+    from compiled_autograd.compile import background
+
+    assert "package after exit" not in ca.explain(file=None)
+    monkeypatch.setattr(background, "_to_package", [object()])
+    line = next(ln for ln in ca.explain(file=None).splitlines() if "package after exit" in ln)
+    assert ": 1 (" in line and "COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0" in line, line
+
+
 # -- NOTE [Compiled graphs loaded without inductor] (compile/package.py)
 
 _PACKAGED = """

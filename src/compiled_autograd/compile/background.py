@@ -344,6 +344,12 @@ def report() -> list:
     running = share.current()
     if running is not None:
         out += [f"background compile: {running.summary()}", f"  {share.advice()}"]
+    with LOCK:
+        packages = len(_to_package)
+    if packages:
+        out.append(f"compiled graphs to package after exit: {packages} (NOTE [Compiled graphs loaded without inductor]: a "
+                   f"child makes them for the next process, for up to {child.FINISH_AFTER_EXIT:.0f} s; "
+                   "COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0: not made)")
     if child.left_after_exit:
         out.append(f"compiles left to finish after exit: {len(child.left_after_exit)} (for up to "
                    f"{child.FINISH_AFTER_EXIT:.0f} s; COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0: stopped at exit)")
