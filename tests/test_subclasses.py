@@ -467,6 +467,32 @@ def test_nested_tensor_runs_opaque_per_node(backend, case):
     assert any("NestedGetValuesBackward0" in d for d in s.opaque_details)
 
 
+def _njt_root_steps(scope, n=4):
+    """Per step (new ragged lengths), the grads after `relu(lin(nt)).backward(g)` with a jagged
+    NestedTensor `g`: the root grad itself nested."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    out = []
+    for i in range(n):
+        nt = _njt(i)
+        y = torch.relu(lin(nt))
+        g = torch.nested.nested_tensor_from_jagged(torch.randn(y.values().shape), y.offsets())
+        with scope():
+            y.backward(g)
+        out.append([nt.grad.values().clone(), lin.weight.grad.clone(), lin.bias.grad.clone()])
+    return out
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_nested_root_grad_is_held_by_reference(backend):
+    """A nested root grad (was: the whole backward in eager, "non-strided lifted tensor") is held
+    beside the graph, the nodes given it opaque (NOTE [Values passed by reference]); the sizes
+    of the held grad are not keyed, so new ragged lengths are hits."""
+    s = _bitwise_against_eager(_njt_root_steps, backend=backend)
+    assert (s.learning_backwards, s.captures, s.dynamic_captures, s.hits, s.eager_fallbacks) == (1, 1, 0, 2, 0), s
+    assert set(s.opaque_reasons) == {"tensor subclass"}
+
+
 @pytest.mark.inductor
 def test_nested_tensor_inductor():
     want = _njt_steps(ca.disable, "plain")

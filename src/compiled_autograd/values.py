@@ -168,6 +168,8 @@ class InGraph(NamedTuple):
 def layout_signature(t: torch.Tensor):
     """What a tensor's strides are, as far as the key is concerned: 'C' or
     channels-last when they follow from its sizes, else the strides."""
+    if t.is_nested:  # (held by reference, its geometry not keyed: native tensor_key_into)
+        return "N"
     if t.is_contiguous():
         return "C"
     if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):

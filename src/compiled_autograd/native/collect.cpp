@@ -143,6 +143,18 @@ struct GivenSavedHooks : OurSavedHooks {
 // walk/collect.py's _Lifter, for the tensors only Python sees: a custom Function's saved tensors and
 // ctx attributes). Returns why the tensor cannot be keyed, or nullptr.
 const char* tensor_key_into(const at::Tensor& t, std::string& key, std::vector<int64_t>& sizes) {
+  if (t.is_nested() && t.key_set().has(c10::DispatchKey::Python)) {
+    // a jagged nested tensor: a graph cannot hold it (its sizes hold a nested int). Keyed by its
+    // dtype, device and dim, tag 'N', zeros for its geometry; walk/subclasses.py holds it beside
+    // the graph where it is a root grad (NOTE [Values passed by reference]), or refuses it
+    append_pod(key, static_cast<uint8_t>('N'));
+    append_pod(key, static_cast<int8_t>(t.scalar_type()));
+    append_pod(key, static_cast<int8_t>(t.device().type()));
+    append_pod(key, static_cast<int8_t>(t.device().index()));
+    append_pod(key, static_cast<uint8_t>(t.dim()));
+    sizes.insert(sizes.end(), static_cast<size_t>(t.dim()) + 1, 0); // (values.py tensor_positions: dims, offset)
+    return nullptr;
+  }
   if (t.layout() != at::kStrided) {
     return "non-strided lifted tensor";
   }
@@ -730,8 +742,8 @@ class Collector {
     for (size_t i = 0; i < g_.call_.tensor_args.inputs.size(); ++i) {
       const auto& t = g_.call_.tensor_args.inputs[i];
       append_tensor_key(t);
-      if (t.key_set().has(c10::DispatchKey::Python) && !t.is_nested()) {
-        g_.wrapped_.push_back(i); // NOTE [Tensor subclasses in the key]
+      if (t.key_set().has(c10::DispatchKey::Python)) {
+        g_.wrapped_.push_back(i); // NOTE [Tensor subclasses in the key] (a jagged nested tensor too)
       }
     }
   }

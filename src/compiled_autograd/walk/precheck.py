@@ -90,9 +90,10 @@ def precheck(roots, grads, create_graph, inputs, accumulate_grad) -> tuple[str |
 
 
 def _held(g) -> bool:
-    """A `__torch_dispatch__` subclass without __tensor_flatten__ (not a nested tensor)."""
-    return (type(g) not in (torch.Tensor, torch.nn.Parameter) and not is_traceable_wrapper_subclass(g) and not g.is_nested
-            and torch._C._dispatch_keys(g).has(torch._C.DispatchKey.Python))
+    """A `__torch_dispatch__` subclass without __tensor_flatten__, or a jagged nested tensor."""
+    if type(g) in (torch.Tensor, torch.nn.Parameter) or not torch._C._dispatch_keys(g).has(torch._C.DispatchKey.Python):
+        return False
+    return g.is_nested or not is_traceable_wrapper_subclass(g)
 
 
 def opaque_subclasses(grads) -> bool:

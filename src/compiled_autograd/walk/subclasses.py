@@ -56,11 +56,13 @@ def flatten_wrappers(capture, lifted: list, lift) -> tuple[tuple, tuple, tuple]:
         t = lifted[i]
         if not precheck.SUBCLASSES:
             raise Fallback("tensor subclass")
-        if not is_traceable_wrapper_subclass(t):
+        if t.is_nested or not is_traceable_wrapper_subclass(t):  # (a jagged nested tensor: its sizes hold a nested int)
             if i in roots:
                 held.append(i)
                 keys.append(("R", i, type(t)))
                 continue
+            if t.is_nested:  # (walking again would not help: nested grads' nodes are opaque already)
+                raise Fallback("tensor subclass: a nested tensor saved by a node whose grads are plain (not yet)")
             why = f"tensor subclass {type(t).__name__} without __tensor_flatten__"
             raise Fallback(why) if capture.opaque_subclasses else OpaqueSubclasses(why)
         names, meta = t.__tensor_flatten__()
