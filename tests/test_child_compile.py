@@ -460,19 +460,27 @@ def test_a_package_is_only_used_where_nobody_set_a_config():
 
 def test_a_package_not_written_by_this_user_or_whose_outputs_differ_is_not_used(tmp_path):
     """Its HMAC is checked before anything is loaded; a package whose first run returns other
-    outputs than its graph (another layout) is dropped, and the graph runs as traced."""
+    outputs than its graph (another layout) is dropped, and the graph runs as traced. Only
+    graphs of plain ops over plain tensors are packaged."""
     import hashlib
     import hmac
 
     from compiled_autograd.compile import package
+    from compiled_autograd.values import PackageSlot, Plan
 
-    gm = torch.fx.symbolic_trace(lambda a, b: [torch.ops.aten.mul.Tensor(a, b).t()])
+    gm = torch.fx.symbolic_trace(lambda a, b: [torch.ops.aten.t.default(torch.ops.aten.mul.Tensor(a, b))])
+    described = child.describe([torch.randn(2, 3), torch.randn(2, 3)])
+    plan = Plan(slots=(), accumulate=(), captured=(), opaque=(), num_results=1)
+    assert package.eligible(gm, described, plan)
+    assert not package.eligible(gm, described, Plan(slots=(), accumulate=(), captured=(), opaque=(), num_results=1, held=(0,)))
+    hooked = torch.fx.symbolic_trace(lambda a, b: [torch.ops.aten.mul_.Tensor(a, b)])
+    assert not package.eligible(hooked, described, plan)  # (mutates an input)
     path = tmp_path / "x.pt2"
     path.write_bytes(b"not a package")
     meta = pickle.dumps([((3, 2), (1, 3), torch.float32)])
     digest = hashlib.sha256(path.read_bytes()).digest()
     (tmp_path / "x.pt2.meta").write_bytes(hmac.new(b"other", digest + meta, hashlib.sha256).digest() + meta)
-    assert package.load(package.Slot(str(path), b"mine"), gm) is None
+    assert package.load(PackageSlot(str(path), b"mine"), gm) is None
 
     class Loader:  # (a package of the wrong layout)
         def run(self, args):
@@ -508,3 +516,4 @@ def test_a_background_compile_sees_the_inductor_config_the_training_thread_set(m
         _step(net, x)
     assert ca.synchronize(60)
     assert seen == [(7, None)], seen
+    _hit_matches_eager(net)  # (the "compiled" graph: the traced one, which the recorder returned)

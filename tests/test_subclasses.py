@@ -402,12 +402,19 @@ def test_a_graph_of_plain_tensors_is_not_keyed_by_dtensor_state(monkeypatch):
     first compile."""
     states = iter([None] + [(False, ("handlers",))] * 3)
     monkeypatch.setattr(precheck, "_dtensor_state", lambda: next(states))
-    net = torch.nn.Linear(4, 3)
-    for _ in range(3):
-        with ca.enable(backend="eager"):
-            net(torch.randn(2, 4)).sum().backward()
-    s = ca.stats()
-    assert (s.captures, s.hits) == (1, 2), s
+
+    def steps(scope):
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 3)
+        out = []
+        for _ in range(3):  # (new inputs each step)
+            with scope():
+                net(torch.randn(2, 4)).pow(2).sum().backward()
+            out.append([net.weight.grad.clone(), net.bias.grad.clone()])
+        return out
+
+    s = _bitwise_against_eager(steps, backend="eager")
+    assert (s.captures, s.hits, s.eager_fallbacks) == (1, 2, 0), s
 
 
 # -- values passed by reference (NOTE [Values passed by reference], capture/trace.py): a jagged

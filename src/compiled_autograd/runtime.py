@@ -260,7 +260,7 @@ class _OneBackward:
         record = diskcache.load(pkey) if pkey is not None else None
         # NOTE [Compiled graphs loaded without inductor] (compile/package.py): read before anything imports inductor
         slot = diskcache.package_slot(pkey, package.fingerprint(cfg)) if pkey is not None else None
-        packaged = package.load(package.Slot(*slot), record["graph"]) if record is not None and slot is not None else None
+        packaged = package.load(slot, record["graph"]) if record is not None and slot is not None else None
         fingerprint = child.fingerprint(cfg) if pkey is not None and packaged is None and child.applies_to(cfg) else None
         if record is not None:
             # NOTE [A graph known compiled] (cache/disk.py): loaded at once where a process compiled it before
@@ -268,8 +268,7 @@ class _OneBackward:
             # (a disk hit computes nothing)
             entry, first = entry_from_disk(cfg, collected, key, record, reason, warm, packaged, slot if warm else None), None
             if not warm and fingerprint is not None:
-                background.mark_when_compiled(entry, diskcache.compiled_marker(pkey, fingerprint))
-                background.package_when_compiled(entry, slot)
+                background.mark_when_compiled(entry, diskcache.compiled_marker(pkey, fingerprint), slot)
             pkey = None  # already stored
         else:
             layouts = LEARNED.layouts.of(key)
@@ -322,8 +321,7 @@ class _OneBackward:
         if pkey is not None and entry.dynamic is None:
             diskcache.store(pkey, entry)
             if fingerprint is not None:  # NOTE [A graph known compiled] (cache/disk.py)
-                background.mark_when_compiled(entry, diskcache.compiled_marker(pkey, fingerprint))
-                background.package_when_compiled(entry, slot)
+                background.mark_when_compiled(entry, diskcache.compiled_marker(pkey, fingerprint), slot)
         background.start_compile_of(entry)  # NOTE [Background compile]
         return results
 

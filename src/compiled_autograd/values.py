@@ -389,6 +389,14 @@ class SlotKind(NamedTuple):
     what: str = ""  # how its errors name it ("" : "<kind> of <node>")
 
 
+class PackageSlot(NamedTuple):
+    """Where a graph's compiled package lies and the key of its HMAC (cache/disk.py package_slot;
+    NOTE [Compiled graphs loaded without inductor], compile/package.py)."""
+
+    path: str
+    key: bytes
+
+
 class ResumePoint(NamedTuple):
     """Where a graph's first run can stop at a call and go on in eager's order (NOTE [A call
     output in another layout on a graph's first run], capture/resume.py): what the trace held

@@ -66,6 +66,7 @@ from pathlib import Path
 import torch
 
 from .. import calls, config, native
+from ..values import PackageSlot
 
 log = logging.getLogger("compiled_autograd")
 
@@ -314,16 +315,16 @@ def _marker(pkey: bytes, fingerprint: str) -> Path | None:
     return root / (pkey.hex()[:40] + "-" + hashlib.sha256(fingerprint.encode()).hexdigest()[:16] + ".compiled")
 
 
-def package_slot(pkey: bytes, fingerprint: str | None):
+def package_slot(pkey: bytes, fingerprint: str | None) -> PackageSlot | None:
     """Where the graph `pkey`'s package compiled with `fingerprint` lies (NOTE [Compiled graphs
-    loaded without inductor], compile/package.py), and the key of its HMAC: (path, key), or
-    None where there is no cache."""
+    loaded without inductor], compile/package.py), and the key of its HMAC; None where there is
+    no cache or no package applies (`fingerprint` None)."""
     try:
         root, secret = _root(), _secret()
         if fingerprint is None or root is None or secret is None:
             return None
         name = pkey.hex()[:40] + "-" + hashlib.sha256(fingerprint.encode()).hexdigest()[:16] + ".pt2"
-        return str(root / name), hmac.new(secret, b"package" + pkey + fingerprint.encode(), hashlib.sha256).digest()
+        return PackageSlot(str(root / name), hmac.new(secret, b"package" + pkey + fingerprint.encode(), hashlib.sha256).digest())
     except Exception:  # NOTE [The disk cache never fails a backward]
         log.debug("could not name a package", exc_info=True)
         return None

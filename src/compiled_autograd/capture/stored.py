@@ -44,8 +44,7 @@ def entry_from_disk(cfg: Config, collected, key, record, reason: str, warm: bool
     else:
         with compile_status(what):
             fn = backends.compile_graph(cfg.backend, gm, collected.lifted, patches=cfg.inductor_patches)
-        if slot is not None:
-            package_later(gm, child.describe(collected.lifted), slot, cfg.inductor_patches)
+        package_later(gm, record["plan"], collected.lifted, slot, cfg.inductor_patches)
     entry = CompiledBackward(
         fn=fn,
         graph=gm,

@@ -10,11 +10,12 @@ import os
 import subprocess
 import threading
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from ..replay.entries import CACHE, CompiledBackward
 from .. import config
 from ..config import Config
+from ..values import PackageSlot
 from ..observe.logs import compile_status
 from ..observe.stats import LOCK, STATS
 from . import backends, boxed
@@ -92,36 +93,41 @@ def start_compile_of(entry: CompiledBackward, run: bool = True) -> None:
         start()
 
 
-_markers: dict[int, tuple] = {}  # id(entry) -> (path, bytes): NOTE [A graph known compiled]
+class WhenCompiled(NamedTuple):
+    """What an entry's background compile leaves for later processes once it succeeded."""
+
+    marker: tuple | None  # (path, bytes): the disk cache's marker (cache/disk.py compiled_marker), written
+    # here or by a child left to finish after this process (NOTE [A graph known compiled])
+    slot: PackageSlot | None  # where its package goes (NOTE [Compiled graphs loaded without inductor])
 
 
-def mark_when_compiled(entry: CompiledBackward, marker: tuple | None) -> None:
+_when_compiled: dict[int, WhenCompiled] = {}  # id(entry) ->
+_to_package: list[package.Job] = []  # packaged after exit
+
+
+def mark_when_compiled(entry: CompiledBackward, marker: tuple | None, slot: PackageSlot | None = None) -> None:
     """Once the entry's background compile succeeded -- here, or in a child left to finish
     after this process (NOTE [A compile finished after exit], compile/child.py) -- write
-    `marker` (the disk cache's, cache/disk.py compiled_marker: NOTE [A graph known compiled])."""
-    if marker is not None:
+    `marker`, and package the graph at `slot` after exit."""
+    if marker is not None or slot is not None:
         with LOCK:
-            _markers[id(entry)] = marker
+            _when_compiled[id(entry)] = WhenCompiled(marker, slot)
 
 
-_slots: dict[int, tuple] = {}  # id(entry) -> its package's slot: NOTE [Compiled graphs loaded without inductor]
-_to_package: list = []  # (graph, described inputs, slot, inductor patches), packaged after exit
-
-
-def package_when_compiled(entry: CompiledBackward, slot) -> None:
-    """Once the entry's background compile succeeded, package its graph after exit (NOTE
-    [Compiled graphs loaded without inductor], compile/package.py) at `slot`."""
-    if slot is not None:
-        with LOCK:
-            _slots[id(entry)] = slot
-
-
-def package_later(graph, described, slot, patches) -> None:
-    """Package this compiled graph after exit, where a package can hold it."""
-    if slot is None or child.FINISH_AFTER_EXIT <= 0 or not package.eligible(graph, described):
+def package_later(graph, plan, inputs, slot: PackageSlot | None, patches) -> None:
+    """Package this compiled graph after exit (NOTE [Compiled graphs loaded without inductor]),
+    where a package can hold it; `inputs`: the graph's inputs, real or fake, or a child.Described."""
+    if slot is None or child.FINISH_AFTER_EXIT <= 0:
+        return
+    try:
+        described = inputs.described if isinstance(inputs, child.Described) else child.describe(inputs)
+    except Exception:  # (an input whose storage cannot be read: not packaged, nothing else lost)
+        log.debug("a graph not packaged: its inputs cannot be described", exc_info=True)
+        return
+    if not package.eligible(graph, described, plan):
         return
     with LOCK:
-        _to_package.append((graph, described, slot, patches))
+        _to_package.append(package.Job(graph, described, slot, dict(patches or {})))
     _wait_at_exit.register()
 
 
@@ -142,8 +148,7 @@ def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, wh
             try:
                 with compile_status(what + " (in the background)", detail=share.status), in_background():
                     with LOCK:
-                        marker = _markers.pop(id(entry), None)
-                        slot = _slots.pop(id(entry), None)
+                        marker, slot = _when_compiled.pop(id(entry), WhenCompiled(None, None))
                     if child.applies(cfg.backend, is_dynamic):  # NOTE [Compiling in a child process]
                         in_child = child.compile_in_child(graph, example, cfg.inductor_patches, marker)
                         with LOCK:
@@ -162,8 +167,8 @@ def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, wh
                 STATS.compile_seconds += time.perf_counter() - t0
             if marker is not None:
                 child.write_marker(*marker)
-            if isinstance(example, child.Described):
-                package_later(graph, example.described, slot, cfg.inductor_patches)
+            if not is_dynamic:
+                package_later(graph, entry.plan, example, slot, cfg.inductor_patches)
             logged["compile_seconds"] = time.perf_counter() - t0  # its own record: the log may be trimmed
             if dynamic is not None:
                 logged["guards"] = dynamic.guard_source
@@ -360,5 +365,4 @@ def reset() -> None:
     """Forget the compiles not yet started (their graphs are gone with the cache)."""
     with LOCK:
         _deferred.clear()
-        _markers.clear()
-        _slots.clear()
+        _when_compiled.clear()

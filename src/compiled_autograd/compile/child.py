@@ -432,11 +432,11 @@ def _watch_parent(limit: float) -> None:
 
 def package_after_exit(jobs: list):
     """NOTE [Compiled graphs loaded without inductor]: a child that packages these graphs
-    (each (graph, described inputs, package.Slot, inductor patches)), in its own process
-    group, left to finish after this process; the child's Popen, or None."""
+    (package.Job), in its own process group, left to finish after this process; the child's
+    Popen, or None."""
     try:
         payload = pickle.dumps({
-            "packages": [(_encode_graph(gm), described, tuple(slot), patches or {}) for gm, described, slot, patches in jobs],
+            "packages": [job._replace(graph=_encode_graph(job.graph)) for job in jobs],
             "configs": _configs(),
             "threads": torch.get_num_threads(),
         })
@@ -474,10 +474,10 @@ def main(argv=None) -> int:
         from . import package
 
         failed = 0
-        for graph, described, slot, patches in payload["packages"]:
+        for job in payload["packages"]:
             try:
                 with torch.no_grad():
-                    package.build(_decode_graph(graph), fakes_of(described), package.Slot(*slot), patches)
+                    package.build(_decode_graph(job.graph), fakes_of(job.described), job.slot, job.patches)
             except Exception:  # (the next one may still be made)
                 log.debug("could not package a graph", exc_info=True)
                 failed += 1

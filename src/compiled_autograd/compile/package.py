@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -15,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..values import BOXED
+from ..values import BOXED, PackageSlot
 
 log = logging.getLogger("compiled_autograd")
 
@@ -46,11 +47,13 @@ log = logging.getLogger("compiled_autograd")
 ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_", "TORCH_LOGS")
 
 
-class Slot(NamedTuple):
-    """Where a graph's package lies, and the key of its HMAC (cache/disk.py package_slot)."""
+class Job(NamedTuple):
+    """A compiled graph to package after exit (compile/background.py package_later)."""
 
-    path: str
-    key: bytes
+    graph: torch.fx.GraphModule
+    described: list  # its inputs' geometry (compile/child.py describe)
+    slot: PackageSlot
+    patches: dict  # inductor's options (enable(mode=..., options=...))
 
 
 def fingerprint(cfg) -> str | None:
@@ -60,8 +63,10 @@ def fingerprint(cfg) -> str | None:
         return None
     # (not inductor's cache directory: a package does not depend on it, and importing inductor sets it)
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) and k != "TORCHINDUCTOR_CACHE_DIR")
+    # (and the process state inductor's own cache keys read: matmul precision, mkldnn, determinism)
     key = (cfg.backend_key, cfg.inductor_patches, torch.__version__, torch.get_num_threads(), platform.machine(),
-           _cpu_flags(), torch.backends.cpu.get_cpu_capability(), env)
+           _cpu_flags(), torch.backends.cpu.get_cpu_capability(), env, torch.get_float32_matmul_precision(),
+           torch.backends.mkldnn.enabled, torch.are_deterministic_algorithms_enabled())
     return hashlib.sha256(repr(key).encode()).hexdigest()
 
 
@@ -94,6 +99,7 @@ def _configs_at_defaults() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -105,9 +111,12 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def eligible(gm: torch.fx.GraphModule, described) -> bool:
+def eligible(gm: torch.fx.GraphModule, described, plan) -> bool:
     """A graph a package can hold as it is: plain aten ops, none mutating (so inputs that share
-    a storage are only read), tensors in and out."""
+    a storage are only read), plain tensors in and out: no tensor subclass stood in for, no
+    value held by reference (its plan's)."""
+    if plan.stand_ins or plan.held or plan.by_reference or plan.wrapped or plan.differentiable is not None:
+        return False
     if any(d[0] != "tensor" for d in described):
         return False
     for node in gm.graph.nodes:
@@ -137,7 +146,7 @@ class _Positional(torch.nn.Module):
         return tuple(self.gm(*args))
 
 
-def build(gm: torch.fx.GraphModule, fakes: list, slot: Slot, patches: dict | None) -> None:
+def build(gm: torch.fx.GraphModule, fakes: list, slot: PackageSlot, patches: dict | None) -> None:
     """In the child: export the graph on its inputs' fakes, compile it into a package at
     `slot`, with the outputs' geometry and an HMAC beside it."""
     import torch._inductor
@@ -171,7 +180,7 @@ def _write(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def load(slot: Slot, gm: torch.fx.GraphModule):
+def load(slot: PackageSlot, gm: torch.fx.GraphModule):
     """The package at `slot` as a boxed callable, or None (none there, not this user's, or
     not loadable here)."""
     try:
