@@ -617,6 +617,46 @@ def test_a_subclass_without_tensor_flatten_under_a_plain_loss(backend):
     assert set(st.opaque_reasons) == {"tensor subclass"}
 
 
+class Dequant(torch.Tensor):
+    """A weight-only quantized tensor's way, without __tensor_flatten__: its dispatch unwraps and
+    returns plain tensors, so the nodes that save it have plain grads."""
+
+    @staticmethod
+    def __new__(cls, elem):
+        r = torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype, device=elem.device)
+        r.elem = elem
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def unwrap(t):
+            return t.elem if isinstance(t, Dequant) else t
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_subclass_without_tensor_flatten_saved_by_nodes_whose_grads_are_plain(backend):
+    """Each built-in node that saves one runs as is (NOTE [Nodes that save what a graph cannot
+    hold], native helper), the rest compiled; two nodes save the same one (torch lifts a tensor
+    once: both must be found). Before: the whole backward in eager."""
+    def steps(scope):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(4, 4)
+        out = []
+        for _ in range(3):
+            q = Dequant(torch.randn(5, 4))
+            h = torch.tanh(lin(torch.randn(5, 4)))
+            loss = (torch.mul(h, q) + torch.mul(torch.sigmoid(h), q)).sum()
+            with scope():
+                loss.backward()
+            out.append([lin.weight.grad.clone(), lin.bias.grad.clone()])
+        return out
+
+    st = _bitwise_against_eager(steps, backend=backend)
+    assert (st.learning_backwards, st.captures, st.hits, st.eager_fallbacks) == (1, 1, 1, 0)
+    assert set(st.opaque_reasons) == {"tensor subclass"} and st.opaque_nodes == 2 * 2  # (two MulBackward0, two steps)
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("which", ["pre", "post"])
 def test_node_hooks_given_a_subclass(backend, which):

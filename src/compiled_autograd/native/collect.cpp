@@ -405,6 +405,44 @@ static bool has_grads_by_reference(const Node& fn, bool subclasses) {
   return false;
 }
 
+// A lifted tensor a graph cannot hold: a nested tensor (its sizes hold a nested int) or a
+// `__torch_dispatch__` subclass without __tensor_flatten__ / __tensor_unflatten__ (torch's
+// is_traceable_wrapper_subclass, read on its type).
+static bool unholdable(const at::Tensor& t) {
+  if (!t.defined()) {
+    return false;
+  }
+  if (t.is_nested()) {
+    return true;
+  }
+  if (!t.key_set().has(c10::DispatchKey::Python)) {
+    return false;
+  }
+  py::object obj = py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
+  py::handle type = reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr()));
+  return !(py::hasattr(type, "__tensor_flatten__") && py::hasattr(type, "__tensor_unflatten__"));
+}
+
+// NOTE [Nodes that save what a graph cannot hold]
+// A node whose grads are plain may still save a subclass the graph cannot hold (a weight-only
+// quantized weight without __tensor_flatten__, whose dispatch returns plain tensors). Once its
+// compiled_args has lifted it, the lift cannot be taken back (TensorArgs keeps no undo). So, in
+// the walk that knows the graph has one (opaque_subclasses), each built-in node is first asked
+// for its state into a scratch call: one that would lift such a tensor runs as is, and nothing
+// of it is collected. Its saved variables' unpack hooks are only collected there, never run.
+static bool saves_unholdable(const c10::intrusive_ptr<Node>& fn, uint32_t idx) {
+  cad::AutogradCompilerCall scratch(cad::SizeInput::STATIC);
+  cad::NodeCall call(idx, fn);
+  cad::CompiledNodeArgs args(scratch, call);
+  try {
+    fn->compiled_args(args);
+  } catch (const c10::Error&) {
+    return false; // (the real call raises it again, where it is told apart)
+  }
+  const auto& lifted = scratch.tensor_args.inputs;
+  return std::any_of(lifted.begin(), lifted.end(), unholdable);
+}
+
 // ---------------------------------------------------------------------------
 // Collector: the walk and the key of one backward, into a CollectedGraph
 // ---------------------------------------------------------------------------
@@ -688,6 +726,10 @@ class Collector {
         r.opaque_reason = opaque_subclasses_
             ? "takes or returns a tensor subclass's grad, in a graph with one the graph cannot hold (passed by reference)"
             : "takes or returns a nested tensor's grad (a tensor subclass the graph cannot hold: passed by reference)";
+      } else if (r.kind == GENERIC && opaque_subclasses_ && saves_unholdable(fn, static_cast<uint32_t>(idx))) {
+        // NOTE [Nodes that save what a graph cannot hold]
+        r.opaque = true;
+        r.opaque_reason = "saves a tensor subclass the graph cannot hold (a nested tensor, or one without __tensor_flatten__)";
       } else if (r.kind == GENERIC) {
         try {
           fn->compiled_args(node_args);

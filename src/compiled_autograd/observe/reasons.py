@@ -46,7 +46,8 @@ FALLBACKS = (
 # why a node ran opaquely, as is, inside a compiled graph (stats().opaque_reasons)
 OPAQUES = (
     Kind("tensor subclass", "it takes or returns a grad that is a tensor subclass the graph cannot hold (a nested tensor; one an "
-         "opaque node returned), passed by reference (NOTE [Values passed by reference])", ("passed by reference",)),
+         "opaque node returned), passed by reference (NOTE [Values passed by reference]), or it saves one (NOTE [Nodes that "
+         "save what a graph cannot hold], native helper)", ("passed by reference", "tensor subclass")),
     Kind("marked opaque", "named in enable(opaque=...)", ("marked opaque",)),
     Kind("reentrant checkpoint", "torch.utils.checkpoint(use_reentrant=True): runs its backward itself", ("reentrant checkpoint",)),
     Kind("changing values", "a custom Function captured with more different ctx values than the limit "

@@ -61,9 +61,9 @@ def flatten_wrappers(capture, lifted: list, lift) -> tuple[tuple, tuple, tuple]:
                 held.append(i)
                 keys.append(("R", i, type(t)))
                 continue
-            if t.is_nested:  # (walking again would not help: nested grads' nodes are opaque already)
-                raise Fallback("tensor subclass: a nested tensor saved by a node whose grads are plain (not yet)")
-            why = f"tensor subclass {type(t).__name__} without __tensor_flatten__"
+            # walked again, the nodes that save it run as is (NOTE [Nodes that save what a graph
+            # cannot hold], native helper); still lifted then: by something else (a hook's value)
+            why = f"tensor subclass {'nested' if t.is_nested else type(t).__name__}" + ("" if t.is_nested else " without __tensor_flatten__")
             raise Fallback(why) if capture.opaque_subclasses else OpaqueSubclasses(why)
         names, meta = t.__tensor_flatten__()
         inner, consts = [], []
