@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import re
 
 import pytest
 import torch
@@ -324,6 +326,11 @@ def _tp_steps(mesh, backend, plan, log=None, opaque=()):
     torch.manual_seed(0)
     model = TPModel(d=16, heads=4, layers=2, ff=32, vocab=12)
     parallelize(model, mesh, sequence_parallel=sp, loss_parallel=lp)
+    if "checkpoint" in plan:  # each block recomputed in the backward (non-reentrant activation checkpointing)
+        from torch.utils.checkpoint import checkpoint
+
+        for block in model.blocks:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     if "hooks" in plan:  # a tensor hook on every parameter, DTensor or not: its grad scaled
         for p in model.parameters():
             p.register_hook(lambda g: g * 0.5)
@@ -367,6 +374,77 @@ def test_tensor_parallel_with_an_opaque_node(fake2):
     # (a learning backward of the opaque nodes' layouts, a capture, a hit on the third step's inputs)
     assert (st.learning_backwards, st.captures, st.hits, st.eager_fallbacks) == (1, 1, 1, 0)
     assert st.opaque_reasons["marked opaque"] > 0 and st.opaque_reasons["tensor subclass"] > 0
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("plan", ["tp+checkpoint", "sp+checkpoint"])
+def test_tensor_parallel_with_activation_checkpointing(fake2, backend, plan):
+    """Checkpointed blocks recompute DTensors in the backward: what the checkpoint's unpack hook
+    returns is learned by a first backward in eager (placements, local shapes), then unpacked
+    in the graph as its local tensor, each when its node runs, and rebuilt there (NOTE [Unpacked
+    tensor subclasses]); eager's grads and placements bitwise (before: the whole backward in
+    eager, "tensor subclass with saved-tensor hooks")."""
+    want = _tp_steps(fake2, None, plan)
+    ca.reset()
+    got = _tp_steps(fake2, backend, plan)
+    for step_want, step_got in zip(want, got):
+        for (pw, a), (pg, b) in zip(step_want, step_got):
+            assert pw == pg and torch.equal(a, b)
+    st = ca.stats()
+    # (a learning backward, a capture, a hit on the third step's inputs)
+    assert (st.learning_backwards, st.captures, st.hits, st.eager_fallbacks, st.opaque_nodes) == (1, 1, 1, 0, 0)
+    (n,) = re.findall(r"saved-tensor hooks: (\d+) tensors unpacked in the graph", ca.explain())
+    assert int(n) > 10  # (each block's saved DTensors, unpacked where its nodes run)
+
+
+def _stashed_steps(scope, n=4, plain_at=None):
+    """Per step, a ScaledTensor weight's grad after a backward whose saved tensors go through a
+    user's stash (saved_tensors_hooks): its unpack hook returns ScaledTensors (at step
+    `plain_at`, the tensors they stand for, plain)."""
+    torch.manual_seed(0)
+    w = scaled(torch.randn(4, 8), 0.5, requires_grad=True)
+    out, stash = [], {}
+
+    def pack(t):
+        stash[len(stash)] = t
+        return len(stash) - 1
+
+    for step in range(n):
+        def unpack(k, plain=step == plain_at):
+            t = stash.pop(k)
+            return t._data * t._scale if plain and isinstance(t, ScaledTensor) else t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            loss = torch.tanh(torch.randn(3, 8) @ w.t()).sum()
+        with scope():
+            loss.backward()
+        stash.clear()
+        out.append([w.grad._data.clone(), w.grad._scale.clone()])
+    return out
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_saved_tensor_hook_that_returns_a_subclass(backend):
+    """What the hook returns is learned by a first backward in eager, then unpacked in the graph
+    as its inner tensors and rebuilt (NOTE [Unpacked tensor subclasses]): bitwise, hits."""
+    st = _bitwise_against_eager(_stashed_steps, backend=backend)
+    assert (st.learning_backwards, st.captures, st.hits, st.eager_fallbacks) == (1, 1, 2, 0)
+
+
+def test_a_saved_tensor_hook_that_returns_another_type_than_learned_raises():
+    """The graph, traced for a ScaledTensor, ran part way when the hook returns a plain tensor:
+    it raises (as for any prediction that fails), and the next backward learns again."""
+    with ca.enable(backend="aot_eager", fullgraph=True):
+        with pytest.raises(RuntimeError, match=r"unpack hook of a saved tensor returned \(3, 4\)/torch.float32/cpu, where the previous backward of this graph got \(3, 4\)/ScaledTensor"):
+            _stashed_steps(contextlib.nullcontext, n=4, plain_at=3)
+    # the same graph again: the next backward learns the other hooks again, and that tensor is no
+    # longer predicted: unpacked up front, which the graph does not take for a subclass (in eager, counted)
+    want = _stashed_steps(ca.disable, n=2)
+    with ca.enable(backend="aot_eager", fullgraph=False):
+        got = _stashed_steps(contextlib.nullcontext, n=2)
+    assert all(torch.equal(a, b) for w, g in zip(want, got) for a, b in zip(w, g))
+    st = ca.stats()
+    assert (st.learning_backwards, st.fallback_details["saved-tensor hook returned a tensor subclass"]) == (2, 1)
 
 
 @pytest.mark.inductor

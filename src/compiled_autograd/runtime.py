@@ -165,7 +165,7 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
             return _fall_back(cfg, reason, eager, user_error)
         return learned.learn_in_eager(collected, eager)
 
-    key = CacheKey(cfg.backend_key, global_state(bool(collected.wrappers)), cfg.opaque, create_graph, collected.key)
+    key = CacheKey(cfg.backend_key, global_state(collected.subclasses), cfg.opaque, create_graph, collected.key)
     reason = REFUSALS.unsupported.get(key) if REFUSALS.unsupported else None
     fam = CACHE.family(key)
     if create_graph and reason is None and fam is None:
@@ -219,7 +219,7 @@ def _collect(capture, keep_graph, create_graph):
             return None, "create_graph=True with saved-tensor hooks", False
         if isinstance(collected, Learn):
             capture.learn_unpacks(sorted(collected.keys), collected.report)
-        elif create_graph and collected.wrappers:
+        elif create_graph and collected.subclasses:
             return None, "create_graph=True with tensor subclasses (not yet: docs/design/subclasses.md)", False
         return collected, None, False
     except RuntimeError as e:  # misuse (freed graph, modified saved tensor): eager raises the same error

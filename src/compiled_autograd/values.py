@@ -113,6 +113,12 @@ class Collected:
     n_aot: int = 0
 
     @property
+    def subclasses(self) -> bool:
+        """Whether the graph traces through a tensor subclass: a lifted one, or one a saved-tensor
+        hook returns (NOTE [Unpacked tensor subclasses], nodes/saved_tensors.py)."""
+        return bool(self.wrappers) or any(u.subclass for u in self.in_graph)
+
+    @property
     def in_graph_start(self) -> int:
         """Where the shapes of the tensors unpacked in the graph start in `sizes` (they end it)."""
         return len(self.sizes) - sum(u.dim for u in self.in_graph)
@@ -163,6 +169,9 @@ class InGraph(NamedTuple):
     device: torch.device
     dim: int  # its shape is in the sizes vector (Collected.in_graph_start on)
     order: tuple  # its dims from outermost to innermost in memory (OutputMeta.dense)
+    # a tensor subclass (NOTE [Unpacked tensor subclasses], nodes/saved_tensors.py): the key of its
+    # SubclassUnpack (then dtype, device and order are None and `dim` counts its inner tensors' dims)
+    subclass: tuple = ()
 
 
 def layout_signature(t: torch.Tensor):
@@ -354,6 +363,20 @@ class SubclassSpec(NamedTuple):
 
     def rebuild(self, inner):
         return self.type.__tensor_unflatten__(dict(zip(self.names, inner)) | dict(self.consts), self.meta, self.size, self.stride)
+
+
+class SubclassUnpack(NamedTuple):
+    """What an unpack hook returned that is a traceable wrapper subclass (a DTensor a checkpoint
+    recomputed), learned from an eager backward (NOTE [Unpacked tensor subclasses],
+    nodes/saved_tensors.py): unpacked in the graph as its inner tensors, rebuilt there."""
+
+    spec: SubclassSpec
+    inner: tuple  # (shape, dtype, device, dim order) per inner tensor
+    key: tuple  # what the graph bakes in, by value (InGraph.subclass); the inner shapes are sizes
+
+    @property
+    def dim(self) -> int:
+        return sum(len(shape) for shape, _, _, _ in self.inner)
 
 
 class CallHow(enum.IntEnum):

@@ -206,7 +206,7 @@ def portable_key(key, sizes) -> bytes | None:
     processes, or None if it cannot."""
     if not isinstance(key.backend, str) or key.graph.functions:  # (custom Function nodes: user code)
         return None
-    if any(type(e) is tuple and e[:1] in (("W",), ("R",)) for e in key.graph.extra):
+    if any(type(e) is tuple and e[:1] in (("W",), ("R",)) for e in key.graph.extra) or any(u.subclass for u in key.graph.in_graph):
         # a tensor subclass (flattened, or held by reference): its type and metadata (DTensor's mesh,
         # its process groups' names) are not yet known to mean the same in another process
         # (docs/design/subclasses.md section 6)

@@ -55,7 +55,7 @@ def plan_capture(cfg: Config, fam, collected) -> tuple[tuple | None, str]:
     trace or the compiler assumed something, e.g. divisibility), the same
     positions are captured again with the new sizes as hints, a few times at
     most; after that, static graphs."""
-    if collected.wrappers or collected.held:  # (tensor subclasses: static graphs only, for now; docs/design/subclasses.md step 8)
+    if collected.subclasses or collected.held:  # (tensor subclasses: static graphs only, for now; docs/design/subclasses.md step 8)
         return None, (new_key_reason(collected) if fam is None or not len(fam) else "same structure, new sizes (static: tensor subclasses)")
     if fam is None or not len(fam):
         reason = new_key_reason(collected)

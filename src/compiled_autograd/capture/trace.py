@@ -153,15 +153,19 @@ class _BackwardTracer:
         return t is not None and id(t) in self.refs
 
     # -- opaque calls --------------------------------------------------------
-    def _call(self, kind, node, args, out_metas, flags=False, values=None, keeps=None, outs_like_args=False, by_reference_outs=()):
+    def _call(self, kind, node, args, out_metas, flags=False, values=None, keeps=None, outs_like_args=False, by_reference_outs=(),
+              out_specs=()):
         """One compiled_autograd::call; returns the outputs positionally (None where not predicted).
 
         `values`: the _Values the tensors in `args` come from. Where one may be
         undefined (it carries flags), the call also gets each argument's
         definedness, and passes None for an undefined one, as eager would.
         `by_reference_outs`: the outputs it hands on by reference (NOTE [Values passed by
-        reference]); an argument that is a token gets its value back before the call."""
-        args, out_metas, rebuild, out_specs, held = subclass_calls.flatten_args(self, kind, args, out_metas, flags, outs_like_args)
+        reference]); an argument that is a token gets its value back before the call.
+        `out_specs`: the subclasses it returns as their inner tensors (`out_metas` theirs), where no
+        argument says (NOTE [Unpacked tensor subclasses], nodes/saved_tensors.py)."""
+        args, out_metas, rebuild, flat_specs, held = subclass_calls.flatten_args(self, kind, args, out_metas, flags, outs_like_args)
+        out_specs = out_specs or flat_specs
         by_reference_outs = tuple(by_reference_outs) + held
         mask = tuple(m is not None for m in out_metas)
         slot = len(self.slots)
@@ -172,7 +176,7 @@ class _BackwardTracer:
             args = list(args) + [self._defined_each(values)]
         self.slots.append(Slot(kind, node, mask, in_flags, at=self.at, rebuild=rebuild, out_specs=out_specs, by_reference=by_reference))
         # (a first run cannot stop and go on in eager's order once values are held by reference)
-        if self.resumable and kind in resume.KINDS and any(mask) and not rebuild and not self.refs and not by_reference:
+        if self.resumable and kind in resume.KINDS and any(mask) and not rebuild and not out_specs and not self.refs and not by_reference:
             point = resume.held(self, slot, kind)
             if point is not None:
                 self.resume_points.append(point)
@@ -225,12 +229,9 @@ class _BackwardTracer:
                 aot_ints[j - c.aot_start] = s
         self.sym_sizes = sym
         self.aot_ints = aot_ints
-        self.in_graph_metas = {}
+        self.in_graph_metas = saved_tensors.in_graph_metas(c.in_graph, c.hooks, dims)
         self.node_inputs: list = []  # the grads entering the node being traced
         self.unconsumed: list = []  # graph results (grads for AccumulateGrad or grad()) since the last unpack call
-        for u in c.in_graph:
-            self.in_graph_metas[u.hid] = OutputMeta.dense(dims[: u.dim], u.dtype, u.device, u.order)
-            dims = dims[u.dim :]
         if c.wrappers:  # each lifted subclass rebuilt over its inner tensors' fakes (docs/design/subclasses.md section 2)
             args = list(args)
             for w in c.wrappers:

@@ -20,7 +20,11 @@ from typing import NamedTuple
 
 import torch
 
-from ..values import dense_order
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from ..errors import Unkeyable
+from ..values import SubclassSpec, SubclassUnpack, dense_order
+from .state import value_key
 
 @functools.cache
 class LearnKey(NamedTuple):
@@ -99,7 +103,19 @@ class UnpackMetas:
 
     def learn(self, key, t):
         """Remember what the hook returned; None if it cannot be predicted."""
-        if key in self.unpredictable or type(t) is not torch.Tensor or t.layout != torch.strided:
+        if key in self.unpredictable:
+            return None
+        if is_traceable_wrapper_subclass(t):  # NOTE [Unpacked tensor subclasses] (nodes/saved_tensors.py)
+            meta = subclass_unpack(t)
+            if meta is not None:
+                with self.lock:  # (at these sizes only: no rule, no order for other sizes)
+                    if len(self.metas) >= self.LIMIT:
+                        self.metas.pop(next(iter(self.metas)))
+                    self.metas[key] = meta
+                    self._set_rule(self._rule_key(key), _NO_RULE)
+                    self.orders.pop(self._rule_key(key), None)
+            return meta
+        if type(t) is not torch.Tensor or t.layout != torch.strided:
             return None
         order = dense_order(t) or tuple(range(t.dim()))  # (not dense: copied into this at replay)
         meta = (tuple(t.shape), t.dtype, t.device, order)
@@ -147,10 +163,22 @@ class UnpackMetas:
                 self.unpredictable.pop(next(iter(self.unpredictable)))
             self.unpredictable[key] = True
 
-    def check(self, key, t, shape, dtype, device) -> None:
-        """At replay: what the hook returned against the prediction."""
-        if isinstance(t, torch.Tensor) and list(t.shape) == list(shape) and t.dtype == dtype and t.device == device:
+    def check(self, key, t, metas, spec=None) -> None:
+        """At replay: what the hook returned against the prediction (OutputMetas: its own, or
+        its inner tensors' where it was a subclass of `spec`)."""
+        if spec is None:
+            inner = [t]
+        elif type(t) is spec.type and t.__tensor_flatten__()[1] == spec.meta and tuple(t.shape) == spec.size:
+            inner = SubclassSpec.of(t)[1]
+        else:
+            inner = []
+        if len(inner) == len(metas) and all(
+            type(x) in (torch.Tensor, torch.nn.Parameter) and list(x.shape) == list(m.shape) and x.dtype == m.dtype
+            and x.device == m.device for x, m in zip(inner, metas)
+        ):
             return
+        m = metas[0]
+        shape, dtype, device = (spec.size, spec.type.__name__, m.device) if spec is not None else (m.shape, m.dtype, m.device)
         self.mark_unpredictable(key)
         with self.lock:  # the graph's other hooks may have changed too: the next backward learns again
             for k in [k for k in self.metas if k.graph == key.graph]:
@@ -170,6 +198,27 @@ class UnpackMetas:
             self.unpredictable.clear()
             self.rules.clear()
             self.orders.clear()
+
+
+def subclass_unpack(t) -> SubclassUnpack | None:
+    """What the graph needs to unpack `t`, a traceable wrapper subclass, as its inner tensors and
+    rebuild it (NOTE [Unpacked tensor subclasses], nodes/saved_tensors.py); None where it cannot
+    (an inner tensor not plain and strided, metadata that cannot be keyed by value)."""
+    spec, inner = SubclassSpec.of(t)
+    if not inner or any(type(x) is not torch.Tensor or x.layout != torch.strided for x in inner):
+        return None
+
+    def no_tensor(_):
+        raise Unkeyable("a tensor in a subclass's flatten metadata")
+
+    try:
+        meta_key = value_key(spec.meta, no_tensor, user=True)
+        consts = tuple((n, value_key(c, no_tensor, user=True)) for n, c in spec.consts)
+    except Unkeyable:
+        return None
+    metas = tuple((tuple(x.shape), x.dtype, x.device, dense_order(x) or tuple(range(x.dim()))) for x in inner)
+    key = (spec.type, spec.names, meta_key, consts, spec.size, spec.stride, tuple((d, dev, len(s), o) for s, d, dev, o in metas))
+    return SubclassUnpack(spec, metas, key)
 
 
 class Churn:

@@ -47,14 +47,27 @@ graph, position, hook and packed structure (ranks, dtypes, devices) predicts the
 tensor at any other sizes (nodes/learned.py `UnpackMetas.by_rule`; sizes or packed shapes, as an
 index_fill's index length is not a size of the graph); it is checked at replay
 as any prediction is, and dropped for good when it fails.
+
+NOTE [Unpacked tensor subclasses]
+Under tensor parallelism a checkpointed region recomputes DTensors: what its unpack hook returns
+is a traceable wrapper subclass, whose placements and local shapes the checkpoint does not
+record. They are learned as any hook's result is (the first backward of the graph and sizes runs
+in eager), as a SubclassSpec and its inner tensors' metadata (nodes/learned.py subclass_unpack),
+at those sizes only (no rule). The UNPACK call then returns the inner tensors, checked against
+what was learned (a mismatch raises, and the next backward learns again), and the trace rebuilds
+the subclass over them (Slot.out_specs), so the formulas that read it are traced through its
+dispatch as those of a lifted DTensor are. A subclass that cannot be described so (an inner
+tensor that is not plain, metadata that cannot be keyed by value) is unpredictable: unpacked when
+the backward starts, which the graph does not take for a subclass (the whole backward in eager).
 """
 
 from __future__ import annotations
 
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..values import SlotKind
+from ..values import OutputMeta, SlotKind, SubclassSpec
 from .learned import LEARNED
 from .state import _closure, _nested_code
 
@@ -74,8 +87,33 @@ def unpack_in_graph(t, hid: int):
     accumulates each as soon as it is computed."""
     after = [t for t in t.node_inputs if t is not None] + t.unconsumed
     t.unconsumed = []
-    (t,), _ = t._call(UNPACK, hid, after, [t.in_graph_metas[hid]])
+    # (a subclass grad orders the call by its inner tensors: nothing of it is passed on)
+    after = [x for a in after for x in (SubclassSpec.of(a)[1] if is_traceable_wrapper_subclass(a) else [a])]
+    meta = t.in_graph_metas[hid]
+    if type(meta) is tuple:  # NOTE [Unpacked tensor subclasses]: (its spec, its inner tensors' metas), rebuilt
+        spec, inner = meta
+        (t,), _ = t._call(UNPACK, hid, after, inner, out_specs=((0, spec),))
+        return t
+    (t,), _ = t._call(UNPACK, hid, after, [meta])
     return t
+
+
+def in_graph_metas(in_graph, hooks, dims) -> dict:
+    """Per saved tensor unpacked in the graph, the OutputMeta of what its hook returns, or for a
+    subclass (its SubclassSpec, its inner tensors' OutputMetas); `dims` their shapes in order."""
+    out = {}
+    for u in in_graph:
+        if u.subclass:
+            learned = hooks[u.hid][3]
+            inner = []
+            for shape, dtype, device, order in learned.inner:
+                inner.append(OutputMeta.dense(dims[: len(shape)], dtype, device, order))
+                dims = dims[len(shape) :]
+            out[u.hid] = (learned.spec, inner)
+        else:
+            out[u.hid] = OutputMeta.dense(dims[: u.dim], u.dtype, u.device, u.order)
+            dims = dims[u.dim :]
+    return out
 
 
 class Learn:
@@ -190,13 +228,12 @@ def _run(capture, node, args, mask, metas, hooks, steal):
     pair, hooks[node] = hooks[node], None  # unpacked once, as eager does: the packed value can go
     if pair is None:
         raise RuntimeError("compiled_autograd: a saved tensor was unpacked twice by one graph")
-    hook, packed, learned = pair
+    hook, packed, learned, subclass = pair
     del pair
     outs = [unpack(hook, packed)]
     del hook, packed
-    if learned is not None:
-        expected = metas[0]
-        LEARNED.unpacks.check(learned, outs[0], expected.shape, expected.dtype, expected.device)
+    if learned is not None:  # (a subclass: returned as it is, flattened by the kernel, Slot.out_specs)
+        LEARNED.unpacks.check(learned, outs[0], metas, subclass.spec if subclass is not None else None)
     return outs
 
 

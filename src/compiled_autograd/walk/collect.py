@@ -28,7 +28,7 @@ from ..nodes.function import collect_pynode, kept_indices
 from ..nodes.learned import LEARNED, LearnKey
 from ..nodes.saved_tensors import Learn, Predictor, hook_code, packed_meta, unpack
 from ..calls.graph_task import in_graph_task
-from ..values import Collected, GraphKey, InGraph
+from ..values import Collected, GraphKey, InGraph, SubclassUnpack
 from . import precheck
 from .subclasses import flatten_wrappers
 
@@ -88,8 +88,6 @@ def collect(capture, run_unpack_hooks: bool = True, keep_graph: bool = True) -> 
     wrapped = capture.wrapped()
     if wrapped and not precheck.SUBCLASSES:
         raise Fallback("tensor subclass")
-    if wrapped and saved_hooks:
-        raise Fallback("tensor subclass with saved-tensor hooks (not yet: docs/design/subclasses.md)")
     if not saved_hooks and not pynode_indices and not wrapped:
         lifted = capture.lifted()
         return Collected(
@@ -118,6 +116,10 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
             if native_key is None:  # (a digest: the table must not hold every graph's key)
                 native_key = (hashlib.blake2b(capture.key(), digest_size=16).digest(), tuple(capture.sizes()))
             learned = LearnKey(native_key, i, hook_code(hook), packed_meta(packed))
+            subclass = LEARNED.unpacks.get(learned)
+            if isinstance(subclass, SubclassUnpack):  # NOTE [Unpacked tensor subclasses] (nodes/saved_tensors.py)
+                metas.append((subclass, learned))
+                continue
         if meta is not None and meta[3] is None:
             # a checkpoint's recomputed tensor: its layout is learned (NOTE [Layouts of call
             # outputs], calls/kernel.py), from an eager backward when no backward showed it yet
@@ -146,11 +148,16 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
             unpacked.append(lift(t))
             hooks.append(None)
             continue
-        shape, dtype, device, order = meta
         unpacked.append(-1)
+        if isinstance(meta, SubclassUnpack):  # (its inner tensors' shapes are sizes; the rest is keyed)
+            in_graph.append(InGraph(i, None, None, meta.dim, None, meta.key))
+            shapes.extend(d for shape, _, _, _ in meta.inner for d in shape)
+            hooks.append((hook, packed, learned, meta))
+            continue
+        shape, dtype, device, order = meta
         in_graph.append(InGraph(i, dtype, device, len(shape), order))
         shapes.extend(shape)
-        hooks.append((hook, packed, learned))
+        hooks.append((hook, packed, learned, None))
     pykeys = []
     pynodes = {}
     for idx in pynode_indices:
