@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
+import functools
 import gc
 import os
 import socket
@@ -49,6 +50,11 @@ def _tp_model(job, world):
     else:
         mesh = tp = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     parallelize(model, tp, sequence_parallel=job.get("sp", False), loss_parallel=job.get("loss_parallel", False))
+    if job.get("checkpoint"):  # each block recomputed in the backward (non-reentrant activation checkpointing)
+        from torch.utils.checkpoint import checkpoint
+
+        for b in model.blocks:
+            b.forward = functools.partial(checkpoint, b.forward, use_reentrant=False)
     if job["kind"] == "fsdp2+tp":
         from torch.distributed.fsdp import fully_shard
 
@@ -218,6 +224,8 @@ JOBS = {
     "tp sequence parallel": dict(kind="tp", sp=True),
     "tp loss_parallel": dict(kind="tp", sp=True, loss_parallel=True),
     "fsdp2+tp": dict(kind="fsdp2+tp"),
+    "tp sequence parallel checkpointed": dict(kind="tp", sp=True, checkpoint=True),
+    "fsdp2+tp checkpointed": dict(kind="fsdp2+tp", checkpoint=True),
 }
 
 
@@ -229,13 +237,15 @@ def test_distributed_job_matches_eager(name, world):
     steps: the last three steps are hits."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("no gloo")
-    if world == 4 and name not in ("ddp", "fsdp2", "fsdp2 transformer bf16", "fsdp2+tp"):
+    if world == 4 and name not in ("ddp", "fsdp2", "fsdp2 transformer bf16", "fsdp2+tp", "fsdp2+tp checkpointed"):
         pytest.skip("4 ranks: the plain jobs only (time)")
-    if name == "fsdp2+tp" and world != 4:
+    if name.startswith("fsdp2+tp") and world != 4:
         pytest.skip("fsdp2+tp: a (2, 2) mesh")
     results = run_job(JOBS[name], world)
     for rank, r in enumerate(results):
         s = r["stats"]
         assert not r["problems"], (rank, r["problems"])
         assert s.eager_fallbacks == 0, (rank, dict(s.fallback_details))
-        assert s.hits >= 3 and s.captures + s.learning_backwards + s.hits == 5, (rank, s)
+        # (a checkpointed job learns what its unpack hooks return once per graph: FSDP2's first
+        # backward is another graph than the next ones, so two learning backwards there)
+        assert s.hits >= (2 if JOBS[name].get("checkpoint") else 3) and s.captures + s.learning_backwards + s.hits == 5, (rank, s)

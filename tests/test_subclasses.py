@@ -448,6 +448,19 @@ def test_a_saved_tensor_hook_that_returns_another_type_than_learned_raises():
 
 
 @pytest.mark.inductor
+def test_tensor_parallel_with_activation_checkpointing_inductor(fake2):
+    """The same on inductor: eager's placements, grads within its rounding, a hit."""
+    want = _tp_steps(fake2, None, "sp+checkpoint")
+    ca.reset()
+    for step_want, step_got in zip(want, _tp_steps(fake2, "inductor", "sp+checkpoint")):
+        for (pw, a), (pg, b) in zip(step_want, step_got):
+            assert pw == pg
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    st = ca.stats()
+    assert (st.learning_backwards, st.captures, st.hits, st.eager_fallbacks) == (1, 1, 1, 0)
+
+
+@pytest.mark.inductor
 def test_tensor_parallel_inductor(fake2):
     """Inductor on the sequence-parallel TP graph: eager's placements, grads within its rounding
     (its fused kernels round differently), and a hit on the next steps."""
