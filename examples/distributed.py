@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import os
 import statistics
@@ -202,7 +203,7 @@ def build(args, world):
     """The model of --wrap, wrapped; and the TP mesh (None without TP)."""
     torch.manual_seed(0)
     if args.wrap in ("ddp", "fsdp2"):
-        return wrap(Model(), args), None
+        return wrap(checkpointed(Model(), args), args), None
     from torch.distributed.device_mesh import init_device_mesh
 
     model = TPModel()
@@ -212,6 +213,7 @@ def build(args, world):
     else:
         mesh = tp = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     parallelize(model, tp, sequence_parallel=args.sequence_parallel, loss_parallel=args.loss_parallel)
+    checkpointed(model, args)
     if args.wrap == "fsdp2+tp":
         from torch.distributed.fsdp import fully_shard
 
@@ -219,6 +221,16 @@ def build(args, world):
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
     return model, tp
+
+
+def checkpointed(model, args):
+    """--checkpoint: each block's activations recomputed in the backward (non-reentrant)."""
+    if args.checkpoint:
+        from torch.utils.checkpoint import checkpoint
+
+        for block in model.blocks:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return model
 
 
 def batch(args, step, rank, tp):
@@ -247,6 +259,7 @@ def main(argv=None):
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
     p.add_argument("--bf16", action="store_true", help="FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16)")
     p.add_argument("--no-reshard", action="store_true", help="FSDP2 reshard_after_forward=False")
+    p.add_argument("--checkpoint", action="store_true", help="activation checkpointing of each block (non-reentrant)")
     p.add_argument("--check", action="store_true", help="train an eager copy too and compare bitwise")
     p.add_argument("--timeline", action="store_true", help="print when gradient collectives were launched")
     args = p.parse_args(argv)
@@ -305,7 +318,11 @@ def main(argv=None):
             for name, log, total in (("eager", eager_log.collectives, eager_log.ops), ("compiled", compiled_log, n)):
                 print(f"{name}: {len(log)} collectives among {total} ops: " + ", ".join(f"{op}{list(shape)} at {100 * k / total:.0f}%" for op, shape, k in log))
             same = [c[:2] for c in eager_log.collectives] == [c[:2] for c in compiled_log]
-            print("the compiled graph issues eager's collectives in eager's order" if same else "the collectives differ from eager's")
+            if args.checkpoint:  # (eager's log holds the recomputed forwards' collectives too)
+                print("(--checkpoint: the recomputed forwards' collectives run inside the checkpoint's unpack hook, "
+                      "called by the graph where eager calls it; only eager's log shows them)")
+            else:
+                print("the compiled graph issues eager's collectives in eager's order" if same else "the collectives differ from eager's")
         elif args.timeline:
             for i, launches in fractions.items():
                 print(f"last step, {('compiled', 'eager')[i]}: {len(launches)} gradient collectives launched at "
