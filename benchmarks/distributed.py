@@ -1,7 +1,7 @@
 """Step time of DDP, FSDP2 and tensor-parallel training (TP, TP with sequence parallelism, FSDP2 + TP
 on a (world/2, 2) mesh): eager, ours and torch's built-in compiled autograd.
 
-    python -m benchmarks.distributed [--worlds 2,4] [--wraps ddp,fsdp2,tp,tp+sp,fsdp2+tp] [--backend inductor]
+    python -m benchmarks.distributed [--worlds 2,4] [--wraps ddp,fsdp2,tp,tp+sp,tp+sp+ckpt,fsdp2+tp] [--backend inductor]
                                      [--steps 20] [--out docs/bench/distributed]
 
 Each (world, wrap) job runs `world` ranks on loopback (gloo). Every rank builds one copy of a
@@ -38,7 +38,7 @@ MODES = ("eager", "ours", "torch-ca")
 WRONG_GRADS = 1e-2  # a mode's grads further from eager's than this (relative) are wrong, not rounding
 
 
-TP_WRAPS = ("tp", "tp+sp", "fsdp2+tp")
+TP_WRAPS = ("tp", "tp+sp", "tp+sp+ckpt", "fsdp2+tp")  # (+ckpt: each block activation-checkpointed)
 
 
 def _model(wrap="ddp"):
@@ -71,7 +71,14 @@ def _wrap(model, wrap, mode):
         from examples.distributed import parallelize
 
         dp, tp = _tp_mesh(wrap)
-        parallelize(model, tp, sequence_parallel=wrap == "tp+sp")
+        parallelize(model, tp, sequence_parallel=wrap.startswith("tp+sp"))
+        if wrap.endswith("+ckpt"):
+            import functools
+
+            from torch.utils.checkpoint import checkpoint
+
+            for block in model.blocks:
+                block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
         if dp is not None:
             from torch.distributed.fsdp import fully_shard
 
@@ -137,7 +144,7 @@ def _rank(rank, world, port, job, out_dir):
             return torch.randn(16, 32, 128), torch.randint(0, 8, (16,))
         torch.manual_seed(1000 * i + rank // tp_size)  # (one batch per TP group)
         x, y = torch.randn(16, 32, 128), torch.randint(0, 64, (16, 32))
-        if job["wrap"] == "tp+sp":  # (this rank's slice of the sequence)
+        if job["wrap"].startswith("tp+sp"):  # (this rank's slice of the sequence)
             x = x.chunk(tp_size, dim=1)[rank % tp_size]
         return x, y
 
