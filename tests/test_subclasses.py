@@ -331,6 +331,10 @@ def _tp_steps(mesh, backend, plan, log=None, opaque=()):
 
         for block in model.blocks:
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    if "compiled" in plan:  # each block a torch.compile'd region (its DTensors carry torch's stand-in for the mesh)
+        torch._dynamo.reset()
+        for block in model.blocks:
+            block.compile(backend="aot_eager")
     if "hooks" in plan:  # a tensor hook on every parameter, DTensor or not: its grad scaled
         for p in model.parameters():
             p.register_hook(lambda g: g * 0.5)
@@ -445,6 +449,22 @@ def test_a_saved_tensor_hook_that_returns_another_type_than_learned_raises():
     assert all(torch.equal(a, b) for w, g in zip(want, got) for a, b in zip(w, g))
     st = ca.stats()
     assert (st.learning_backwards, st.fallback_details["saved-tensor hook returned a tensor subclass"]) == (2, 1)
+
+
+def test_tensor_parallel_with_compiled_blocks(fake2):
+    """torch.compile'd TP blocks: the DTensors their regions return carry torch's stand-in for the
+    mesh (a FakeScriptObject around it), keyed as the mesh it wraps (before: the whole backward in
+    eager, "device_mesh is unkeyable"); the regions' backwards run opaquely (they saved the mesh,
+    an opaque object), the rest is compiled; eager's grads and placements bitwise."""
+    want = _tp_steps(fake2, None, "tp+compiled")
+    ca.reset()
+    got = _tp_steps(fake2, "aot_eager", "tp+compiled")
+    for step_want, step_got in zip(want, got):
+        for (pw, a), (pg, b) in zip(step_want, step_got):
+            assert pw == pg and torch.equal(a, b)
+    st = ca.stats()
+    assert (st.captures, st.hits, st.eager_fallbacks) == (1, 1, 0) and st.learning_backwards == 1
+    assert set(st.opaque_reasons) == {"compiled region"}
 
 
 @pytest.mark.inductor

@@ -99,6 +99,11 @@ def _distributed_key(v, lift, user):
         return ("dc", t, tuple((f.name, _value_key(getattr(v, f.name), lift, user)) for f in fields))
     if module.startswith("torch.distributed.tensor.placement_types"):
         return ("placement", v)
+    if t.__name__ == "FakeScriptObject" and module.startswith("torch._library"):
+        # a DeviceMesh (an opaque object in 2.13) as a torch.compile'd region's DTensor outputs
+        # carry it: torch's stand-in, wrapping the real mesh (`real_obj`): keyed as that mesh
+        real = getattr(v, "real_obj", None)
+        return _distributed_key(real, lift, user) if type(real).__name__ == "DeviceMesh" else None
     if t.__name__ == "DeviceMesh" and module.startswith("torch.distributed"):
         seen = _MESH_KEYS.get(id(v))
         if seen is not None and seen[0]() is v:
