@@ -768,6 +768,30 @@ def test_a_subclass_without_tensor_flatten_saved_by_nodes_whose_grads_are_plain(
     assert set(st.opaque_reasons) == {"tensor subclass"} and st.opaque_nodes == 2 * 2  # (two MulBackward0, two steps)
 
 
+@pytest.mark.parametrize("case", ["root grad", "saved"])
+def test_a_subclass_inside_a_subclass_runs_opaque_per_node(case):
+    """A ScaledTensor whose data is a ScaledTensor (not flattened yet): as one without
+    __tensor_flatten__, its nodes run opaquely and its grads are held by reference, the rest
+    compiled (before: the whole backward in eager, "a subclass inside")."""
+    def steps(scope):
+        torch.manual_seed(0)
+        W, lin, out = torch.randn(4, 8), torch.nn.Linear(8, 4), []
+        for _ in range(3):
+            if case == "root grad":
+                w = ScaledTensor(scaled(W, 0.5), torch.tensor(2.0), requires_grad=True)
+                loss = torch.tanh(lin(torch.randn(3, 8)) @ w).sum()
+            else:  # (a Dequant over one: the nodes that save it, or take its grads, run as is)
+                loss = (torch.tanh(lin(torch.randn(3, 8))) * Dequant(scaled(torch.randn(3, 4), 0.5))).sum()
+            with scope():
+                loss.backward()
+            out.append([lin.weight.grad.clone(), lin.bias.grad.clone()])
+        return out
+
+    st = _bitwise_against_eager(steps, backend="aot_eager")
+    assert (st.learning_backwards, st.captures, st.hits, st.eager_fallbacks) == (1, 1, 1, 0)
+    assert set(st.opaque_reasons) == {"tensor subclass"}
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("which", ["pre", "post"])
 def test_node_hooks_given_a_subclass(backend, which):

@@ -406,8 +406,8 @@ static bool has_grads_by_reference(const Node& fn, bool subclasses) {
 }
 
 // A lifted tensor a graph cannot hold: a nested tensor (its sizes hold a nested int) or a
-// `__torch_dispatch__` subclass without __tensor_flatten__ / __tensor_unflatten__ (torch's
-// is_traceable_wrapper_subclass, read on its type).
+// `__torch_dispatch__` subclass Python cannot flatten (walk/subclasses.py unflattenable: no
+// __tensor_flatten__, a subclass inside, metadata that cannot be keyed by value).
 static bool unholdable(const at::Tensor& t) {
   if (!t.defined()) {
     return false;
@@ -418,9 +418,11 @@ static bool unholdable(const at::Tensor& t) {
   if (!t.key_set().has(c10::DispatchKey::Python)) {
     return false;
   }
-  py::object obj = py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
-  py::handle type = reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr()));
-  return !(py::hasattr(type, "__tensor_flatten__") && py::hasattr(type, "__tensor_unflatten__"));
+  static py::object* ask = nullptr; // (leaked: called until the interpreter ends)
+  if (ask == nullptr) {
+    ask = new py::object(py::module_::import("compiled_autograd.walk.subclasses").attr("unflattenable"));
+  }
+  return (*ask)(py::reinterpret_steal<py::object>(THPVariable_Wrap(t))).cast<bool>();
 }
 
 // NOTE [Nodes that save what a graph cannot hold]

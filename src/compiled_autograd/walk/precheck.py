@@ -90,10 +90,14 @@ def precheck(roots, grads, create_graph, inputs, accumulate_grad) -> tuple[str |
 
 
 def _held(g) -> bool:
-    """A `__torch_dispatch__` subclass without __tensor_flatten__, or a jagged nested tensor."""
+    """A subclass the graph cannot flatten: a `__torch_dispatch__` subclass without
+    __tensor_flatten__, a jagged nested tensor, one with a subclass inside or metadata that
+    cannot be keyed (walk/subclasses.py unflattenable)."""
     if type(g) in (torch.Tensor, torch.nn.Parameter) or not torch._C._dispatch_keys(g).has(torch._C.DispatchKey.Python):
         return False
-    return g.is_nested or not is_traceable_wrapper_subclass(g)
+    from .subclasses import unflattenable  # (it imports this module)
+
+    return unflattenable(g)
 
 
 def opaque_subclasses(grads) -> bool:
