@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode, is_traceabl
 
 from .. import config
 from ..observe.stats import STATS
+from .subclasses import unflattenable
 
 
 # Traceable wrapper subclasses (DTensor, a user's) flattened into their inner tensors and traced
@@ -95,8 +96,6 @@ def _held(g) -> bool:
     cannot be keyed (walk/subclasses.py unflattenable)."""
     if type(g) in (torch.Tensor, torch.nn.Parameter) or not torch._C._dispatch_keys(g).has(torch._C.DispatchKey.Python):
         return False
-    from .subclasses import unflattenable  # (it imports this module)
-
     return unflattenable(g)
 
 

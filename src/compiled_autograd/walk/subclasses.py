@@ -1,6 +1,6 @@
 """Traceable wrapper subclasses among the lifted tensors (DTensor, a user's): flattened at
 collect, their inner tensors lifted and their metadata keyed by value, rebuilt over the trace's
-fakes (docs/design/subclasses.md section 1; a prototype behind COMPILED_AUTOGRAD_SUBCLASSES=1)."""
+fakes (docs/design/subclasses.md section 1; on by default, COMPILED_AUTOGRAD_SUBCLASSES=0: off)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..errors import Fallback, OpaqueSubclasses, Unkeyable
 from ..nodes.state import value_key
-from . import precheck
 
 
 class Wrapper(NamedTuple):
@@ -97,9 +96,7 @@ def flatten_wrappers(capture, lifted: list, lift) -> tuple[tuple, tuple, tuple]:
     wrappers, keys, held = [], [], []
     roots = {g for _, _, g in capture.roots() if g >= 0} if capture.opaque_subclasses else ()
     for i in capture.wrapped():
-        t = lifted[i]
-        if not precheck.SUBCLASSES:
-            raise Fallback("tensor subclass")
+        t = lifted[i]  # (with COMPILED_AUTOGRAD_SUBCLASSES=0 collect() fell back before)
         try:
             names, meta, attrs, consts, meta_key = _described(t)
         except _Unflattenable as e:
