@@ -100,7 +100,7 @@ class Collected:
     n_native: int
     unpacked: tuple  # per hooked saved tensor: its lifted index (unpacked up front), or -1 when unpacked in the graph
     pynodes: dict = field(default_factory=dict)
-    hooks: list = field(default_factory=list)  # (unpack_hook, packed, learned key or None) per hooked saved tensor
+    hooks: list = field(default_factory=list)  # (unpack_hook, packed, learned key or None, SubclassUnpack or None) per hooked saved tensor
     in_graph: tuple = ()  # an InGraph per saved tensor unpacked in the graph
     grad_on_ctx: bool = False  # a leaf's .grad, accumulated into by this backward, is kept on ctx
     wrappers: tuple = ()  # a Wrapper per lifted tensor subclass (walk/subclasses.py; docs/design/subclasses.md)
