@@ -111,7 +111,10 @@ def _confined(new_fn, original):
 
     @functools.wraps(new_fn)
     def confined(*args, **kwargs):
-        if threading.get_ident() == owner:
+        # (dynamo, tracing a user's torch.compile'd module in another thread while ours traces,
+        # takes the original as it reads is_compiling() as True: no graph break on get_ident,
+        # whose resumed frames once ran a TP block's views on the wrong shapes)
+        if not torch.compiler.is_compiling() and threading.get_ident() == owner:
             return new_fn(*args, **kwargs)
         return original(*args, **kwargs)
 
