@@ -168,6 +168,12 @@ def test_an_fx_trace_in_another_thread_leaves_this_threads_modules_alone():
         assert not torch.fx._symbolic_trace.is_fx_symbolic_tracing()
         torch.testing.assert_close(compiled(x), torch.nn.functional.linear(x, compiled.weight, compiled.bias))
         torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+        # compiled during the trace, its submodules' calls inlined: dynamo takes the original
+        # `Module.__call__` (before: a graph break in the patched one, on threading.get_ident)
+        seq = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
+        seq.compile(backend="eager", fullgraph=True)  # (Module.compile: `_call_impl` traced, the submodules' calls inlined)
+        out = seq(x)
+        torch.testing.assert_close(out, torch.relu(torch.nn.functional.linear(x, seq[0].weight, seq[0].bias)))
     finally:
         release.set()
         t.join(10)
