@@ -451,11 +451,34 @@ def test_a_saved_tensor_hook_that_returns_another_type_than_learned_raises():
     assert (st.learning_backwards, st.fallback_details["saved-tensor hook returned a tensor subclass"]) == (2, 1)
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_compiled_region_with_a_subclass_is_inlined(backend):
+    """A torch.compile'd function of a ScaledTensor weight: its backward (on inner tensors,
+    rewrapped by AOTAutograd's epilogue) is inlined on the fakes, not run opaquely (NOTE
+    [Inlining AOTAutograd backwards]); bitwise, one capture, hits."""
+    def steps(scope):
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+        f = torch.compile(lambda x, w: torch.tanh(x @ w.t()), backend="aot_eager")
+        w, lin, out = scaled(torch.randn(4, 8), 0.5, requires_grad=True), torch.nn.Linear(8, 8), []
+        for _ in range(3):
+            loss = f(lin(torch.randn(3, 8)), w).sum()
+            with scope():
+                loss.backward()
+            out.append([w.grad._data.clone(), w.grad._scale.clone(), lin.weight.grad.clone()])
+        return out
+
+    st = _bitwise_against_eager(steps, backend=backend)
+    assert (st.captures, st.hits, st.eager_fallbacks, st.opaque_nodes) == (1, 2, 0, 0)
+
+
 def test_tensor_parallel_with_compiled_blocks(fake2):
     """torch.compile'd TP blocks: the DTensors their regions return carry torch's stand-in for the
     mesh (a FakeScriptObject around it), keyed as the mesh it wraps (before: the whole backward in
-    eager, "device_mesh is unkeyable"); the regions' backwards run opaquely (they saved the mesh,
-    an opaque object), the rest is compiled; eager's grads and placements bitwise."""
+    eager, "device_mesh is unkeyable"); each region's backward is inlined (NOTE [Inlining
+    AOTAutograd backwards]) with the opaque objects it saved (the mesh) and its DTensor grads
+    rewrapped by its epilogue on the fakes: one graph of aten ops and functional collectives,
+    eager's grads and placements bitwise."""
     want = _tp_steps(fake2, None, "tp+compiled")
     ca.reset()
     got = _tp_steps(fake2, "aot_eager", "tp+compiled")
@@ -463,8 +486,10 @@ def test_tensor_parallel_with_compiled_blocks(fake2):
         for (pw, a), (pg, b) in zip(step_want, step_got):
             assert pw == pg and torch.equal(a, b)
     st = ca.stats()
-    assert (st.captures, st.hits, st.eager_fallbacks) == (1, 1, 0) and st.learning_backwards == 1
-    assert set(st.opaque_reasons) == {"compiled region"}
+    assert (st.captures, st.hits, st.eager_fallbacks, st.learning_backwards, st.opaque_nodes) == (1, 2, 0, 0, 0)
+    gm = ca.graphs()[0].graph
+    assert [n for n in gm.graph.nodes if n.op == "get_attr"] == []  # (the mesh is not in the graph)
+    assert any(n.op == "call_function" and n.target is torch.ops._c10d_functional.all_reduce.default for n in gm.graph.nodes)
 
 
 @pytest.mark.inductor

@@ -22,9 +22,14 @@ static in a first capture, symbolic with guards in a dynamic one, as any size; a
 saved scalar is a constant of the key. The tangents' memory-format coercion decides on the
 fakes' strides: a copy or not, the same values either way in a functional graph.
 
-Not inlined (the node runs opaquely, counted with the reason): a region with tensor
-subclasses, effect tokens, functionalized RNG, opaque objects or a BackwardState (dynamo's
-compiled-autograd hooks), input mutations in its backward, ops that read or write a tensor's
+A region with tensor subclasses (DTensor parameters under TP, a user's wrapper) is inlined too:
+its prologue flattens the subclass grads our trace rebuilt over the fakes, and its epilogue
+rewraps its results from AOTAutograd's subclass metadata (for DTensor, the mesh it saved as an
+opaque object, `ctx.opaque_objects`, passed to the prologue as AOTAutograd's own backward
+passes it: metadata of the rebuilt results, never a graph input), keyed by value (`objects_key`).
+
+Not inlined (the node runs opaquely, counted with the reason): a region with effect tokens,
+functionalized RNG or a BackwardState (dynamo's compiled-autograd hooks), input mutations in its backward, ops that read or write a tensor's
 strides (`as_strided*`: their meaning depends on layouts our graph's compiler may choose
 differently from the forward's), or a `bw_module` AOTAutograd no longer has; a backward that
 builds a graph (create_graph: AOTAutograd refuses double backward itself).
@@ -37,7 +42,8 @@ import weakref
 import torch
 
 from .tracing import _tracing
-from ..errors import NeedsOpaque
+from ..errors import NeedsOpaque, Unkeyable
+from .state import value_key
 
 
 def is_compiled_function(cls) -> bool:
@@ -77,10 +83,21 @@ def _graph_reason(module) -> str | None:
 _REASONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> why its backward is not inlined, or None
 
 
+def objects_key(node) -> tuple | None:
+    """The opaque objects the region saved (DTensor's mesh), keyed by value; None if one cannot be."""
+    def no_tensor(_):
+        raise Unkeyable("a tensor")
+
+    try:
+        return tuple(value_key(o, no_tensor, user=True) for o in getattr(node, "opaque_objects", None) or ())
+    except Unkeyable:
+        return None
+
+
 def inline_reason(cls, node) -> str | None:
     """Why this CompiledFunction's backward runs opaquely, or None when it is inlined."""
-    if getattr(node, "opaque_objects", None):
-        return "a torch.compile'd region that saved opaque objects"
+    if objects_key(node) is None:
+        return "a torch.compile'd region that saved opaque objects that cannot be keyed by value"
     if getattr(node, "_compiled_autograd_backward_state", None) is not None:
         return "a torch.compile'd region with a BackwardState"
     if not all(type(s) in (int, float, bool) for s in getattr(node, "symints", ())):
@@ -89,9 +106,7 @@ def inline_reason(cls, node) -> str | None:
         return _REASONS[cls]
     why = None
     md = cls.metadata
-    if cls.maybe_subclass_metadata is not None:
-        why = "a torch.compile'd region with tensor subclasses"
-    elif md.num_backward_tokens or md.is_rng_op_functionalized:
+    if md.num_backward_tokens or md.is_rng_op_functionalized:
         why = "a torch.compile'd region with effect tokens or functionalized RNG"
     elif md.indices_of_inputs_that_requires_grad_with_mutations_in_bw:
         why = "a torch.compile'd region whose backward mutates its inputs"
@@ -126,10 +141,11 @@ def saved_tensors(node, checked: list) -> list:
     return [*checked, *getattr(node, "_tensors_no_vc_check", ())]
 
 
-def key(symints: tuple) -> tuple:
+def key(symints: tuple, objects: tuple = ()) -> tuple:
     """The ints among `ctx.symints` are sizes of the backward (a dynamic capture may make them
-    symbolic); anything else is a constant of the key."""
-    return ("aot", tuple(None if type(s) is int else (type(s), s) for s in symints), torch.are_deterministic_algorithms_enabled())
+    symbolic); anything else is a constant of the key, as are the opaque objects it saved
+    (`objects_key`: the epilogue rebuilds its DTensor results over those meshes)."""
+    return ("aot", tuple(None if type(s) is int else (type(s), s) for s in symints), torch.are_deterministic_algorithms_enabled(), objects)
 
 
 def rebuild_symints(symints: tuple, ints: list) -> list:
@@ -149,14 +165,14 @@ class _ReshapeViews(torch.fx.Interpreter):
         return super().call_function(target, args, kwargs)
 
 
-def trace_backward(cls, symints: list, saved: list, grads: list) -> tuple:
+def trace_backward(cls, symints: list, saved: list, grads: list, opaque_objects=()) -> tuple:
     """Prologue, `bw_module` and epilogue on the tracer's fakes (aten ops in its graph)."""
     module = _bw_module(cls)
     # checked at each trace: a compile of this backward (eager's, lazily) may rewrite it in place
     why = _graph_reason(module)
     if why is not None:
         raise NotImplementedError(why)
-    all_args = cls._bw_prologue_fn(saved, symints, [], list(grads))
+    all_args = cls._bw_prologue_fn(saved, symints, list(opaque_objects), list(grads))
     # the joint trace made every dtype explicit; AOTAutograd runs it with autocast off
     with torch._C._DisableAutocast():
         out = _ReshapeViews(module).run(*all_args)
@@ -173,7 +189,7 @@ def trace_in_graph(t, idx, node, grads, args):
     try:
         _tracing.active = True
         try:
-            return trace_backward(node._forward_cls, symints, saved, grads)
+            return trace_backward(node._forward_cls, symints, saved, grads, getattr(node, "opaque_objects", ()) or ())
         finally:
             _tracing.active = False
     except Exception as e:

@@ -136,7 +136,7 @@ def collect_pynode(capture, idx: int, lift, keep_graph: bool) -> tuple[tuple, Py
         capture.hand_over_saved(idx, saved, keep_graph)
         info.saved = tuple(lift(t) if t is not None else -1 for t in aot.saved_tensors(node, saved))
         info.symints = tuple(node.symints)
-        return FunctionKey(cls, "region", flags, tuple(node.needs_input_grad), info.saved, aot.key(info.symints)), info
+        return FunctionKey(cls, "region", flags, tuple(node.needs_input_grad), info.saved, aot.key(info.symints, aot.objects_key(node))), info
     # reading saved_tensors runs eager's own checks (freed graph, version
     # counter) and saved-tensor unpack hooks
     saved = node.saved_tensors
