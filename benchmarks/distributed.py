@@ -1,7 +1,7 @@
 """Step time of DDP, FSDP2 and tensor-parallel training (TP, TP with sequence parallelism, FSDP2 + TP
 on a (world/2, 2) mesh): eager, ours and torch's built-in compiled autograd.
 
-    python -m benchmarks.distributed [--worlds 2,4] [--wraps ddp,fsdp2,tp,tp+sp,tp+sp+ckpt,fsdp2+tp] [--backend inductor]
+    python -m benchmarks.distributed [--worlds 2,4] [--wraps ddp,fsdp2,tp,tp+sp,tp+sp+ckpt,tp+compiled,fsdp2+tp] [--backend inductor]
                                      [--steps 20] [--out docs/bench/distributed]
 
 Each (world, wrap) job runs `world` ranks on loopback (gloo). Every rank builds one copy of a
@@ -38,7 +38,7 @@ MODES = ("eager", "ours", "torch-ca")
 WRONG_GRADS = 1e-2  # a mode's grads further from eager's than this (relative) are wrong, not rounding
 
 
-TP_WRAPS = ("tp", "tp+sp", "tp+sp+ckpt", "fsdp2+tp")  # (+ckpt: each block activation-checkpointed)
+TP_WRAPS = ("tp", "tp+sp", "tp+sp+ckpt", "tp+compiled", "fsdp2+tp")  # (+ckpt: each block activation-checkpointed; +compiled: each block torch.compile'd)
 
 
 def _model(wrap="ddp"):
@@ -79,6 +79,9 @@ def _wrap(model, wrap, mode):
 
             for block in model.blocks:
                 block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        if wrap.endswith("+compiled"):  # (the forward compiled by inductor in every mode: only the backward differs)
+            for block in model.blocks:
+                block.compile()
         if dp is not None:
             from torch.distributed.fsdp import fully_shard
 
