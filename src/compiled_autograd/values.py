@@ -100,7 +100,7 @@ class Collected:
     n_native: int
     unpacked: tuple  # per hooked saved tensor: its lifted index (unpacked up front), or -1 when unpacked in the graph
     pynodes: dict = field(default_factory=dict)
-    hooks: list = field(default_factory=list)  # (unpack_hook, packed, learned key or None, SubclassUnpack or None) per hooked saved tensor
+    hooks: list = field(default_factory=list)  # a HookedTensor (None: unpacked up front) per hooked saved tensor
     in_graph: tuple = ()  # an InGraph per saved tensor unpacked in the graph
     grad_on_ctx: bool = False  # a leaf's .grad, accumulated into by this backward, is kept on ctx
     wrappers: tuple = ()  # a Wrapper per lifted tensor subclass (walk/subclasses.py; docs/design/subclasses.md)
@@ -377,6 +377,15 @@ class SubclassUnpack(NamedTuple):
     @property
     def dim(self) -> int:
         return sum(len(shape) for shape, _, _, _ in self.inner)
+
+
+class HookedTensor(NamedTuple):
+    """A saved tensor unpacked in the graph by its hook (Collected.hooks; the UNPACK call's)."""
+
+    hook: Any
+    packed: Any
+    learned: Any  # its LearnKey where what the hook returns was learned (checked at replay), else None
+    subclass: "SubclassUnpack | None" = None  # NOTE [Unpacked tensor subclasses] (nodes/saved_tensors.py)
 
 
 class CallHow(enum.IntEnum):

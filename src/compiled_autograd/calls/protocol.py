@@ -107,7 +107,7 @@ class ReplayFrame(NamedTuple):
     capture: object  # the backward's collected graph (the native GraphCapture)
     slots: tuple  # the plan's Slots
     outside: object  # the dispatch keys the backward call excluded (calls run with them)
-    hooks: object  # (unpack_hook, packed, learned key, SubclassUnpack or None) per hooked saved tensor, for UNPACK calls
+    hooks: object  # a values.HookedTensor per hooked saved tensor, for UNPACK calls
     steal: object  # None, or the graph inputs' storages when AccumulateGrad may steal (NOTE [Stealing a fresh grad])
     keep: bool  # the compiled code never writes into a call's inputs (NOTE [Outputs the graph owns])
     versions: object  # slot -> saved tensors' versions it checks (NOTE [Hooks may change what the graph reads])

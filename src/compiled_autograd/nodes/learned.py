@@ -168,7 +168,8 @@ class UnpackMetas:
         its inner tensors' where it was a subclass of `spec`)."""
         if spec is None:
             inner = [t]
-        elif type(t) is spec.type and t.__tensor_flatten__()[1] == spec.meta and tuple(t.shape) == spec.size:
+        elif (type(t) is spec.type and t.__tensor_flatten__()[1] == spec.meta and tuple(t.shape) == spec.size
+              and tuple(t.stride()) == spec.stride and all(_same_const(getattr(t, n), c) for n, c in spec.consts)):
             inner = SubclassSpec.of(t)[1]
         else:
             inner = []
@@ -200,6 +201,21 @@ class UnpackMetas:
             self.orders.clear()
 
 
+def _no_tensor(_):
+    raise Unkeyable("a tensor in a subclass's flatten metadata")
+
+
+def _same_const(a, b) -> bool:
+    """Whether two inner attributes that are not tensors (DTensor's meshes) are the same by value:
+    the graph rebuilds the subclass over the one it was traced with."""
+    if a is b:
+        return True
+    try:
+        return value_key(a, _no_tensor, user=True) == value_key(b, _no_tensor, user=True)
+    except Unkeyable:
+        return False
+
+
 def subclass_unpack(t) -> SubclassUnpack | None:
     """What the graph needs to unpack `t`, a traceable wrapper subclass, as its inner tensors and
     rebuild it (NOTE [Unpacked tensor subclasses], nodes/saved_tensors.py); None where it cannot
@@ -208,12 +224,9 @@ def subclass_unpack(t) -> SubclassUnpack | None:
     if not inner or any(type(x) is not torch.Tensor or x.layout != torch.strided for x in inner):
         return None
 
-    def no_tensor(_):
-        raise Unkeyable("a tensor in a subclass's flatten metadata")
-
     try:
-        meta_key = value_key(spec.meta, no_tensor, user=True)
-        consts = tuple((n, value_key(c, no_tensor, user=True)) for n, c in spec.consts)
+        meta_key = value_key(spec.meta, _no_tensor, user=True)
+        consts = tuple((n, value_key(c, _no_tensor, user=True)) for n, c in spec.consts)
     except Unkeyable:
         return None
     metas = tuple((tuple(x.shape), x.dtype, x.device, dense_order(x) or tuple(range(x.dim()))) for x in inner)

@@ -63,6 +63,7 @@ the backward starts, which the graph does not take for a subclass (the whole bac
 
 from __future__ import annotations
 
+from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -90,26 +91,32 @@ def unpack_in_graph(t, hid: int):
     # (a subclass grad orders the call by its inner tensors: nothing of it is passed on)
     after = [x for a in after for x in (SubclassSpec.of(a)[1] if is_traceable_wrapper_subclass(a) else [a])]
     meta = t.in_graph_metas[hid]
-    if type(meta) is tuple:  # NOTE [Unpacked tensor subclasses]: (its spec, its inner tensors' metas), rebuilt
-        spec, inner = meta
-        (t,), _ = t._call(UNPACK, hid, after, inner, out_specs=((0, spec),))
+    if isinstance(meta, SubclassMetas):  # NOTE [Unpacked tensor subclasses]: its inner tensors, rebuilt
+        (t,), _ = t._call(UNPACK, hid, after, meta.inner, out_specs=((0, meta.spec),))
         return t
     (t,), _ = t._call(UNPACK, hid, after, [meta])
     return t
 
 
+class SubclassMetas(NamedTuple):
+    """What the graph is traced with for a subclass an unpack hook returns."""
+
+    spec: SubclassSpec
+    inner: list  # its inner tensors' OutputMetas (their shapes from the sizes, symbolic or not)
+
+
 def in_graph_metas(in_graph, hooks, dims) -> dict:
-    """Per saved tensor unpacked in the graph, the OutputMeta of what its hook returns, or for a
-    subclass (its SubclassSpec, its inner tensors' OutputMetas); `dims` their shapes in order."""
+    """Per saved tensor unpacked in the graph, the OutputMeta of what its hook returns, or a
+    SubclassMetas for a subclass; `dims` their shapes in order."""
     out = {}
     for u in in_graph:
         if u.subclass:
-            learned = hooks[u.hid][3]
+            learned = hooks[u.hid].subclass
             inner = []
             for shape, dtype, device, order in learned.inner:
                 inner.append(OutputMeta.dense(dims[: len(shape)], dtype, device, order))
                 dims = dims[len(shape) :]
-            out[u.hid] = (learned.spec, inner)
+            out[u.hid] = SubclassMetas(learned.spec, inner)
         else:
             out[u.hid] = OutputMeta.dense(dims[: u.dim], u.dtype, u.device, u.order)
             dims = dims[u.dim :]

@@ -28,7 +28,7 @@ from ..nodes.function import collect_pynode, kept_indices
 from ..nodes.learned import LEARNED, LearnKey
 from ..nodes.saved_tensors import Learn, Predictor, hook_code, packed_meta, unpack
 from ..calls.graph_task import in_graph_task
-from ..values import Collected, GraphKey, InGraph, SubclassUnpack
+from ..values import Collected, GraphKey, HookedTensor, InGraph, SubclassUnpack
 from . import precheck
 from .subclasses import flatten_wrappers
 
@@ -152,12 +152,12 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
         if isinstance(meta, SubclassUnpack):  # (its inner tensors' shapes are sizes; the rest is keyed)
             in_graph.append(InGraph(i, None, None, meta.dim, None, meta.key))
             shapes.extend(d for shape, _, _, _ in meta.inner for d in shape)
-            hooks.append((hook, packed, learned, meta))
+            hooks.append(HookedTensor(hook, packed, learned, meta))
             continue
         shape, dtype, device, order = meta
         in_graph.append(InGraph(i, dtype, device, len(shape), order))
         shapes.extend(shape)
-        hooks.append((hook, packed, learned, None))
+        hooks.append(HookedTensor(hook, packed, learned))
     pykeys = []
     pynodes = {}
     for idx in pynode_indices:
