@@ -109,7 +109,7 @@ def test_a_hook_that_returns_another_layout(backend):
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("where", ["tensor hook", "pre hook", "post hook", "grad inputs"])
 def test_a_first_run_that_meets_another_layout_goes_on_in_eagers_order(backend, where):
-    """NOTE [A call output in another layout on a graph's first run]: wherever the hook that
+    """NOTE [A call output not as traced]: wherever the hook that
     returns another layout sits (a tensor hook, a node's pre or post hook; under grad(inputs=)
     with results captured before and after it), the first backward is eager's bitwise, and
     every hook runs once per backward, those before the point and those after it."""

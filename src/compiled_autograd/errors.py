@@ -42,14 +42,15 @@ class LearnLayouts(Exception):
 
 
 class ResumeHere(Exception):
-    """A call of a graph's first run returned an output in another layout than the graph was
-    traced with: the run stops there and the backward goes on in eager's order (NOTE [A call
-    output in another layout on a graph's first run], capture/resume.py). `outs`: what the call
-    returned, per output; `args`: what it was given."""
+    """A call of a running graph returned an output not as the graph was traced with it (another
+    type or layout): the run stops there and the backward goes on in eager's order (NOTE [A call
+    output not as traced], capture/resume.py). `outs`: what the call returned, per output;
+    `args`: what it was given; `values`: what the graph held at the call (ResumePoint.values);
+    `why`: "type" or "layout"."""
 
-    def __init__(self, slot: int, outs: list, args: list):
-        super().__init__(f"call {slot} returned another layout than traced")
-        self.slot, self.outs, self.args = slot, outs, args
+    def __init__(self, slot: int, outs: list, args: list, values: list, why: str):
+        super().__init__(f"call {slot} returned another {why} than traced")
+        self.slot, self.outs, self.args, self.values, self.why = slot, outs, args, values, why
 
 
 class NotTwiceDifferentiable(Exception):

@@ -233,6 +233,22 @@ def _collect(capture, keep_graph, create_graph):
         return None, e.reason, False
 
 
+class _Resume:
+    """What a run of `entry` that stopped at a call returns: the rest of the backward run in
+    eager's order (NOTE [A call output not as traced], capture/resume.py); `stopped`: the stop."""
+
+    __slots__ = ("entry", "collected", "stopped")
+
+    def __init__(self, entry, collected):
+        self.entry, self.collected, self.stopped = entry, collected, None
+
+    def __call__(self, stop, args):
+        from .capture.resumed import resume_at  # (a hit imports tracing only where a call stopped it)
+
+        self.stopped = stop
+        return resume_at(self.entry, self.collected, stop, args)
+
+
 class _OneBackward:
     """One compiled backward after its key: a hit or a miss, then its results applied."""
 
@@ -287,7 +303,7 @@ class _OneBackward:
             entry, first = got.entry, got.results
             del got
         self.entry = entry
-        first_run = None
+        resume = None
         try:
             self.extra = entry.dynamic.extra_args(collected.sizes) if entry.dynamic else []
             if first is not None:
@@ -296,16 +312,14 @@ class _OneBackward:
                 results, self.recorded = first, True
                 del first
             else:
-                if entry.plan.resume:  # NOTE [A call output in another layout on a graph's first run] (capture/resume.py)
-                    from .capture.first_run import first_run as resumable_run
-
-                    first_run, self.recorded = resumable_run(entry, collected), True  # (the entry's function runs next time)
+                resume = _Resume(entry, collected)
                 results = run_graph(entry, self.capture, self.lifted, self.extra, collected.hooks, free_on_failure=not self.keep_graph,
-                                    observed=self.observed, keep_graph=self.keep_graph, first_run=first_run)
+                                    observed=self.observed, keep_graph=self.keep_graph, resume=resume)
+                self.recorded = resume.stopped is not None  # (its results are the resumed steps': not the function's)
         except BaseException:
             background.start_compile_of(entry, run=False)
             raise
-        resumed = getattr(first_run, "resumed", False)
+        resumed = resume is not None and resume.stopped is not None
         if self.observed and learned.learn_layouts(key, self.observed, copied=not resumed):
             # (not cached: the next backward captures again, in the layouts seen)
             background.start_compile_of(entry, run=False)
@@ -329,6 +343,7 @@ class _OneBackward:
         entry, capture, collected = self.entry, self.capture, self.collected
         with LOCK:
             STATS.hits += 1
+        resume = _Resume(entry, collected)
         if not self.keep_graph and getattr(entry.fn, BOXED, False):
             # NOTE [Boxed graphs free their inputs]: the graph gets the only
             # references to the saved tensors, and frees each after its last
@@ -338,19 +353,22 @@ class _OneBackward:
             # `collected.hooks`)
             args = self.lifted + self.extra
             self.lifted.clear()
-            capture.drop_lifted()
+            capture.drop_lifted(bool(entry.plan.resume))  # (kept where a call may stop the graph)
             releases = entry.plan.releases
             if not releases:
                 capture.release()
             elif releases[0][0] == -1:
                 capture.release_nodes(releases[0][1])
             self.released = True
-            results = run_graph(entry, capture, args, [], collected.hooks, releases, observed=self.observed, keep_graph=self.keep_graph)
+            results = run_graph(entry, capture, args, [], collected.hooks, releases, observed=self.observed, keep_graph=self.keep_graph,
+                                resume=resume)
         else:
             results = run_graph(entry, capture, self.lifted, self.extra, collected.hooks, free_on_failure=not self.keep_graph,
-                                observed=self.observed, keep_graph=self.keep_graph)
-        if self.observed and learned.learn_layouts(self.key, self.observed):
-            self.fam.remove(entry)  # the next backward captures again, in the layouts seen
+                                observed=self.observed, keep_graph=self.keep_graph, resume=resume)
+        if resume.stopped is not None:  # NOTE [A call output not as traced] (capture/resume.py)
+            self.recorded = True  # (the resumed steps' results: not the function's, not checked)
+        if self.observed and learned.learn_layouts(self.key, self.observed, copied=resume.stopped is None):
+            self.fam.remove(entry)  # the next backward captures again, with what was seen
         return results
 
     def failed(self, e: Exception, eager, pause):

@@ -270,6 +270,18 @@ class OutputMeta(NamedTuple):
         return OutputMeta.dense(t.shape, t.dtype, t.device, dim_order(t))
 
 
+# What a call output of a tensor subclass, where the graph has a plain tensor, teaches its next
+# trace, in the layouts learned per call output (NOTE [A call output not as traced]): hold that
+# output by reference (NOTE [Values passed by reference])
+REFERENCE = "reference"
+
+
+def is_plain(t) -> bool:
+    """Whether t is what a graph computes on: a plain tensor (no subclass of any kind; a
+    Parameter is one)."""
+    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+
+
 def observed_layout(t: torch.Tensor):
     """How a call output that came in another layout than traced was laid out, for the next
     capture (NOTE [Layouts of call outputs]): its dim order if dense, "sparse_coo", or None
@@ -328,6 +340,11 @@ class Slot(NamedTuple):
     # NOTE [Values passed by reference] (nodes/references.py): None, or what of its arguments
     # and outputs are values held beside the graph
     by_reference: "ByReference | None" = None
+    # how many of its last arguments (before the passed ones) are what the graph holds when it
+    # makes the call (ResumePoint.values): a call whose output is not as traced stops the graph
+    # there, and the backward goes on from them in eager's order (NOTE [A call output not as
+    # traced], capture/resume.py); -1: it cannot stop the graph (no resume point)
+    n_resume: int = -1
 
 
 class ByReference(NamedTuple):
@@ -415,7 +432,7 @@ class SlotKind(NamedTuple):
     completes_node: bool = False  # eager has applied (and released) node `at` when it runs (NOTE [A backward that raised part way])
     reads_saved: bool = True  # may read saved tensors (NOTE [Saved tensors freed as eager frees them])
     shares_args: bool = True  # what else in the graph reads its arguments is recorded (Slot.shared)
-    resumable: bool = False  # a first run may stop at it (NOTE [A call output in another layout on a graph's first run])
+    resumable: bool = False  # a first run may stop at it (NOTE [A call output not as traced])
     ordering_args: bool = False  # its arguments only order it: no grad of its is kept by it
     new_grads_go_nowhere: bool = False  # an output where the trace had None is dropped, not an error
     what: str = ""  # how its errors name it ("" : "<kind> of <node>")
@@ -442,6 +459,9 @@ class ResumePoint(NamedTuple):
     frontier: tuple
     n_result_calls: int  # the trace's results made before the call (Plan.result_calls)
     results: tuple  # (result index, name) of those results and their flags
+    # the names of the graph values above, in the order the call takes them as its last
+    # `Slot.n_resume` arguments (the kernel hands them to ResumeHere)
+    values: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ def learn_in_eager(learn: Learn, eager: Callable[[], Any]):
 
 def learn_layouts(key, observed: dict, copied: bool = True) -> bool:
     """Count the outputs a replay copied into their traced layout (`copied`: not where the run
-    stopped at them instead, NOTE [A call output in another layout on a graph's first run] in
+    stopped at them instead, NOTE [A call output not as traced] in
     capture/resume.py); remember the dense layouts they had. True when that is new for this
     key: its graph is then dropped and the next backward captures again, in those layouts
     (NOTE [Layouts of call outputs], calls/kernel.py)."""
@@ -93,8 +93,8 @@ def learn_node_layouts(key, watch, eager):
     def observer(idx):
         def post(grad_inputs, grad_outputs):
             for k, g in enumerate(grad_inputs):
-                if isinstance(g, torch.Tensor):
-                    seen[(idx, k)] = values.observed_layout(g)
+                if isinstance(g, torch.Tensor):  # (a subclass: held by reference, NOTE [A call output not as traced])
+                    seen[(idx, k)] = values.observed_layout(g) if values.is_plain(g) else values.REFERENCE
 
         return post
 

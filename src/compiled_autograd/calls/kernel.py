@@ -57,7 +57,7 @@ import torch
 from ..errors import ResumeHere
 from ..nodes import SLOT_KINDS
 from ..nodes.accumulate import HANDED_OVER
-from ..values import observed_layout
+from ..values import REFERENCE, Slot, is_plain, observed_layout
 from .checks import _check_ctx, _check_versions, _hooks_added_error, _shared_modified_error, _still_empty_error
 from .protocol import DEFINEDNESS, DTYPES, DEVICE_TYPES, KEEPS_INPUTS, PASSES_SHIFT, ReplayFrame, decode_meta
 
@@ -67,9 +67,6 @@ class _Replay(threading.local):
         self.stack: list = []  # (capture, slots, autograd keys excluded, hooks, steal, keep) of the backwards running on this thread
         self.tasks: list = []  # the graph task id each of them runs its calls in
         self.last: list = []  # the slot of the last call each of them ran (None: none yet)
-        # the slots at which each of them may stop, on a graph's first run (NOTE [A call output
-        # in another layout on a graph's first run], capture/resume.py)
-        self.resumable: list = []
 
 
 _replay = _Replay()
@@ -101,7 +98,7 @@ class replaying:
     """Context of one compiled graph run: where its slots resolve."""
 
     def __init__(self, capture, slots, hooks=(), steal=None, keep=False, versions=None, ctx=None, releases=None, observed=None,
-                 resumable=None, refs=None):
+                 refs=None):
         self.task = torch._C._current_graph_task_id()  # in_graph_task's, when calls run
         # hooks: (unpack_hook, packed) per hooked saved tensor, for UNPACK slots;
         # steal: None, or the graph inputs' storages when ACCUMULATE calls may
@@ -123,7 +120,6 @@ class replaying:
                                  observed, self.refs)
 
         self.failed_at = None  # the slot of the last call started, when the graph raised
-        self.resumable = resumable or ()
 
     def __enter__(self):
         _replay.last.append(None)
@@ -134,14 +130,12 @@ class replaying:
             raise
         _replay.stack.append(self.frame)
         _replay.tasks.append(self.task)
-        _replay.resumable.append(self.resumable)
         return self
 
     def __exit__(self, exc_type, *exc):
         native_calls().pop_replay()
         _replay.stack.pop()
         _replay.tasks.pop()
-        _replay.resumable.pop()
         last = _replay.last.pop()
         if exc_type is not None:
             self.failed_at = last
@@ -186,6 +180,9 @@ def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
     if flags >> PASSES_SHIFT:  # graph inputs read after this call: returned, so read after it
         n = flags >> PASSES_SHIFT
         passed, args = args[-n:], args[:-n]
+    values = None
+    if s.n_resume >= 0:  # what the graph holds here, should the call stop it (NOTE [A call output not as traced])
+        values, args = args[len(args) - s.n_resume :], args[: len(args) - s.n_resume]
     watched = ()
     if n_watch:  # saved tensors read after this call, checked after it
         watched, args = args[-n_watch:], args[:-n_watch]
@@ -228,9 +225,9 @@ def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
             # a grad a hook keeps (`seen.append(g)`) must not become `.grad` as it is: eager's
             # AccumulateGrad sees the hook's reference and copies (NOTE [Stealing a fresh grad])
             # (plain tensors only: a subclass or a value held by reference is never a graph buffer to steal)
-            counts = [(a, sys.getrefcount(a)) for a in args if type(a) in _PLAIN] if steal is not None and not row.ordering_args else ()
+            counts = [(a, sys.getrefcount(a)) for a in args if is_plain(a)] if steal is not None and not row.ordering_args else ()
             outs = _run_slot(capture, slot, row, node, mask, args, meta, flags, hooks, shared if keeps else None, observed,
-                             slot in _replay.resumable[-1], s.out_specs, (frame.refs, by_ref_out) if by_ref_out else None)
+                             values, s.out_specs, (frame.refs, by_ref_out) if by_ref_out else None)
             for a, n in counts:
                 if sys.getrefcount(a) - sum(o is a for o in outs) > n:
                     steal.add(a)
@@ -255,7 +252,6 @@ def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
             torch._C._dispatch_tls_set_dispatch_key_excluded(k, excluded)
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _rebuild(flat, rebuild, in_flags) -> list:
@@ -302,7 +298,7 @@ def check_hooks_added(capture, kind, node) -> None:
         _hooks_added_error(kind, capture, node)
 
 
-def _run_slot(capture, slot, row, node, mask, args, meta, flags, hooks, shared=None, observed=None, stop=False, out_specs=(),
+def _run_slot(capture, slot, row, node, mask, args, meta, flags, hooks, shared=None, observed=None, values=None, out_specs=(),
               by_ref=None):
     metas = decode_meta(meta)
     outs = row.run(capture, node, args, mask, metas, hooks, None)
@@ -314,29 +310,35 @@ def _run_slot(capture, slot, row, node, mask, args, meta, flags, hooks, shared=N
             outs[i] = None if o is None else metas[sum(mask[:i])].empty()
     if out_specs:
         outs = _flatten_outputs(row, capture, node, outs, out_specs)
-    if stop:
-        _stop_if_relaid(slot, mask, outs, metas, observed, args)
     keep = () if shared is None else [a for i, a in enumerate(args) if a is not None and i not in shared]
-    return _conform(row.name, capture, node, mask, outs, keep, metas, flags, slot, observed)
+    return _conform(row.name, capture, node, mask, outs, keep, metas, flags, slot, observed, (args, values))
 
 
-def _stop_if_relaid(slot, mask, outs, metas, observed, args) -> None:
-    """On a graph's first run, an output in another layout than traced stops the run before
-    it is copied (NOTE [A call output in another layout on a graph's first run],
-    capture/resume.py); what the call returned goes with it, as it came."""
-    outs = list(outs) + [None] * (len(mask) - len(outs))
-    positions = [i for i, m in enumerate(mask) if m]
-    relaid = False
-    for k, (i, m) in enumerate(zip(positions, metas)):
-        o = outs[i]
-        if o is None or list(o.shape) != list(m.shape) or o.dtype != m.dtype or o.device != m.device:
-            continue  # (_conform raises for what is not a layout)
-        if not m.has_layout(o.resolve_conj().resolve_neg()):
-            relaid = True
+def _stop_if_not_as_traced(slot, mask, outs, metas, observed, stop) -> None:
+    """An output of another type or layout than traced stops the run before anything of it
+    enters the graph, where the call can stop it (`stop`: its arguments and the values the graph
+    holds there; NOTE [A call output not as traced], capture/resume.py); what the call returned
+    goes with it, as it came. What was seen is noted in `observed`."""
+    args, values = stop
+    why = None
+    for k, (i, m) in enumerate(zip([i for i, d in enumerate(mask) if d], metas)):
+        o = outs[i] if i < len(outs) else None
+        if o is None:
+            continue
+        if not is_plain(o):
+            why = "type"
+            if observed is not None:
+                observed[(slot, k)] = REFERENCE
+        elif list(o.shape) == list(m.shape) and o.dtype == m.dtype and o.device == m.device and \
+                not m.has_layout(o.resolve_conj().resolve_neg()) and observed_layout(o) is not None:
+            # (a layout the next trace can take; one it cannot -- an expanded grad, a hook's
+            # `g` with stride 0 -- is copied, here as on every backward; _conform raises for the rest)
+            why = why or "layout"
             if observed is not None:
                 observed[(slot, k)] = observed_layout(o)
-    if relaid:
-        raise ResumeHere(slot, [o if m else None for o, m in zip(outs, mask)], list(args))
+    if why is not None:
+        outs = list(outs) + [None] * (len(mask) - len(outs))
+        raise ResumeHere(slot, [o if m else None for o, m in zip(outs, mask)], list(args), list(values), why)
 
 
 def input_storages(args):
@@ -429,9 +431,10 @@ def install_native(mod, run_call=None) -> None:
             "kinds": [(row.name, int(row.native), row.stage) for row in SLOT_KINDS.values() if row.native >= 0],
             "dtypes": DTYPES,
             "device_types": DEVICE_TYPES,
-            "conform_error": _conform_error,
-            "observed_layout": observed_layout,
-            "conformed": lambda meta, k, t: decode_meta(meta)[k].conformed(t),
+            "parameter_class": torch.nn.Parameter,
+            "slot_fields": Slot._fields,  # (the helper reads both by name)
+            "frame_fields": ReplayFrame._fields,
+            "conform": conform_from_native,
             "check_versions": _check_versions,
             "check_ctx": _check_ctx,
             "hooks_added_error": _hooks_added_error,
@@ -451,7 +454,7 @@ def call_fake(slot, args, meta, flags):
     return outs
 
 
-def _conform(kind, capture, node, mask, outs, keep, metas, flags, slot=None, observed=None):
+def _conform(kind, capture, node, mask, outs, keep, metas, flags, slot=None, observed=None, stop=None):
     """Real outputs -> the defined, non-aliasing tensors, in the traced layouts, the graph expects.
 
     `mask[i]` says whether output i was defined when the graph was traced;
@@ -460,8 +463,11 @@ def _conform(kind, capture, node, mask, outs, keep, metas, flags, slot=None, obs
     it is undefined. A grad where none was expected: from an opaque node it
     goes nowhere (its edge is not in the graph); a hook that makes a None grad
     defined cannot be followed (the graph has no place for it) and raises.
-    An output in another layout than traced is copied into it, and `observed`
-    records the layout it had (NOTE [Layouts of call outputs])."""
+    An output of another type or layout than traced stops the run where the call can
+    (`stop`: its arguments and the values the graph holds there; NOTE [A call output not as
+    traced], capture/resume.py); elsewhere, one in another layout is copied into the traced
+    one, `observed` recording the layout it had (NOTE [Layouts of call outputs]), and one of
+    another type raises: it never enters the graph."""
     # `outs` (the list the hook or node returned) is taken over: its entries are
     # cleared as they are read, so that a private tensor has no reference left but ours
     outs.extend([None] * (len(mask) - len(outs)))
@@ -471,6 +477,8 @@ def _conform(kind, capture, node, mask, outs, keep, metas, flags, slot=None, obs
             f"compiled_autograd: {kind.replace('_', ' ')} of {capture.node_name(node)} returned a gradient "
             "where the backward had None; the compiled graph cannot follow"
         )
+    if stop is not None and stop[1] is not None:
+        _stop_if_not_as_traced(slot, mask, outs, metas, observed, stop)
     result, present = [], []
     positions = [i for i, m in enumerate(mask) if m]
     for k, (i, m) in enumerate(zip(positions, metas)):
@@ -480,11 +488,15 @@ def _conform(kind, capture, node, mask, outs, keep, metas, flags, slot=None, obs
             result.append(m.empty().zero_())
             continue
         present.append(True)
-        if list(o.shape) != list(m.shape) or o.dtype != m.dtype or o.device != m.device:
+        if not is_plain(o) or list(o.shape) != list(m.shape) or o.dtype != m.dtype or o.device != m.device:
             what = row.what or f"{kind.replace('_', ' ')} of {capture.node_name(node)}"
+            got = f"a {type(o).__name__}" if not is_plain(o) else f"a tensor of {tuple(o.shape)}/{o.dtype}/{o.device}"
+            if observed is not None and not is_plain(o):
+                observed[(slot, k)] = REFERENCE  # (the next capture holds it by reference)
             raise RuntimeError(
-                f"compiled_autograd: {what} returned a tensor of {tuple(o.shape)}/{o.dtype}/{o.device} "
-                f"where the graph was traced with {tuple(m.shape)}/{m.dtype}/{m.device}"
+                f"compiled_autograd: {what} returned {got} where the graph was traced with a tensor of "
+                f"{tuple(m.shape)}/{m.dtype}/{m.device}" + ("" if is_plain(o) else
+                "; this graph cannot stop there and go on in eager's order (NOTE [A call output not as traced])")
             )
         # the graph was traced with a plain tensor: no lazy conjugate or negative bit
         o = o.resolve_conj().resolve_neg()
@@ -502,10 +514,13 @@ def _conform(kind, capture, node, mask, outs, keep, metas, flags, slot=None, obs
     return result
 
 
-def _conform_error(kind, capture, node, mask, outs, meta, flags):
-    """_conform's error for outputs the native helper's conform rejected."""
-    _conform(kind, capture, node, mask, outs, (), decode_meta(meta), flags)
-    raise AssertionError("compiled_autograd: the helper rejected outputs that _conform accepts")
+def conform_from_native(slot, outs, keep, meta, flags, args, values):
+    """_conform for a call the native helper ran whose outputs are not all plain, as traced:
+    the same rules, in one place (NOTE [Calls in the helper])."""
+    frame = _replay.stack[-1]
+    s = frame.slots[slot]
+    return _conform(s.kind, frame.capture, s.node, s.mask, outs, keep, decode_meta(meta), flags, slot, frame.observed,
+                    (args, values) if s.n_resume >= 0 else None)
 
 
 def _sole_owner(t: torch.Tensor) -> bool:

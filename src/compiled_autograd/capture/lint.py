@@ -5,8 +5,10 @@ NOTE [The layout of a call's arguments]
 A `compiled_autograd::call` node's `args` are, in this order: the call's own (the grads or
 tensors it runs on); with `Slot.in_flags`, one bool tensor saying which of them are defined;
 `Slot.n_after` values only there to order it (capture/passes.py order_reads_before_calls);
-`Slot.n_watch` saved tensors it checks (watch_saved_reads: graph inputs); `flags >>
-PASSES_SHIFT` graph inputs it returns as its last outputs (pass_inputs_through_hooks). The
+`Slot.n_watch` saved tensors it checks (watch_saved_reads: graph inputs); `Slot.n_resume`
+values the graph holds at the call (capture/resume.py pass_values: NOTE [A call output not as
+traced]); `flags >> PASSES_SHIFT` graph inputs it returns as its last outputs
+(pass_inputs_through_hooks). The
 kernel takes them off from the end, so a pass that appends in another order, or a count in the
 slot that differs from the graph, makes a hook run on the wrong tensors. `lint` checks each
 call against its slot, and that each slot is called once; behind a flag (COMPILED_AUTOGRAD_LINT=1,
@@ -53,16 +55,18 @@ def _lint_call(gm, n, c: CallArgs, slot) -> None:
     if not c.flags & DIRECT:
         _fail(gm, n, "its flags lack DIRECT", "the trace sets DIRECT on every call (calls/protocol.py)")
     n_passed = c.flags >> PASSES_SHIFT
-    own = len(c.args) - slot.in_flags - slot.n_after - slot.n_watch - n_passed
+    own = len(c.args) - slot.in_flags - slot.n_after - slot.n_watch - max(slot.n_resume, 0) - n_passed
     if own < 0:
         _fail(gm, n, f"{len(c.args)} arguments, fewer than its slot's in_flags {int(slot.in_flags)} + n_after {slot.n_after} "
-                     f"+ n_watch {slot.n_watch} + passed {n_passed}", "a pass that appends arguments must count them in the slot")
+                     f"+ n_watch {slot.n_watch} + n_resume {max(slot.n_resume, 0)} + passed {n_passed}",
+              "a pass that appends arguments must count them in the slot")
     if slot.in_flags:
         flag = c.args[own]
         val = flag.meta.get("val") if isinstance(flag, torch.fx.Node) else None
         if not isinstance(val, torch.Tensor) or val.dtype != torch.bool or val.numel() != own:
             _fail(gm, n, f"argument {own} is not the definedness of its {own} own arguments", "append ordering, watched and passed arguments after it")
-    watched = c.args[len(c.args) - n_passed - slot.n_watch : len(c.args) - n_passed]
+    end_watch = len(c.args) - n_passed - max(slot.n_resume, 0)
+    watched = c.args[end_watch - slot.n_watch : end_watch]
     for a in watched:
         if not isinstance(a, torch.fx.Node) or a.op != "placeholder":
             _fail(gm, n, f"watched argument {a} is not a graph input", "n_watch counts the saved tensors appended by watch_saved_reads")

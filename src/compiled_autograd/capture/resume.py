@@ -1,32 +1,43 @@
 """A graph's first run, which can stop at a call and go on in eager's order.
 
-NOTE [A call output in another layout on a graph's first run]
-The trace decides the layout of what each call returns before anything runs (NOTE [Layouts
-of call outputs], calls/kernel.py): a hook's result is traced in its grad's layout. A hook
-that returns another (`g.t().contiguous().t()`) had its result copied into the traced layout;
-the values are the same, but a kernel after it may sum in another order than eager's on the
-tensor eager passed on (a bias grad `g.sum(0)`: 1e-6 off). The layout seen is learned and the
-graph captured again, but the backward in which it came was not eager's.
+NOTE [A call output not as traced]
+The trace decides what each call returns before anything runs: a plain tensor (NOTE [Layouts of
+call outputs], calls/kernel.py), of the grad's dtype and shape, in the layout it will likely
+have. A hook, an opaque node or a node's pre/post hook may return something else at run time:
 
-So a graph's first run (the one right after its capture, where a prediction meets the real
-hooks for the first time) runs the traced graph node by node (capture/first_run.py: the same aten ops
-its generated code runs), and a call whose output comes in another layout than traced stops it
-there (ResumeHere, raised before the copy). The rest of the backward then goes on from that
-call as eager's engine would: the trace's own loop (`_step`) runs the remaining nodes on the
-real tensors -- each formula for real, each hook called as it comes, on the output exactly as
-the hook returned it -- starting from what the trace held when it made that call, which the
-trace wrote down for each such call (ResumePoint: the grads waiting for later nodes and the
-results made so far, by the names of the graph nodes holding them; the run keeps those nodes
-alive until the call). The results are laid out as the graph's (Plan.result_calls: each result
-the trace made, in order), and applied as usual; the layout seen is learned, and the next
-backward captures again in it (`stats().layout_resumes`). Nothing of the backward runs twice:
-the calls before it ran once, in the graph; it and those after, once, in the resumed steps.
+  * another layout (`g.t().contiguous().t()`): copied into the traced one, the values are the
+    same, but a kernel after it may sum in another order than eager's on the tensor eager
+    passed on (a bias grad `g.sum(0)`: 1e-6 off);
+  * a tensor subclass (a TwoTensor, a DTensor, a user's wrapper) or a `__torch_function__`
+    subclass where the graph has a plain tensor: eager runs the nodes after it through the
+    subclass's dispatch (and `.grad` becomes one); the compiled graph would read it as a plain
+    tensor -- under inductor a wrapper without storage -- a silent wrong gradient.
 
-What the first run does not stop at (a copy, as before, counted in `stats().layout_copies`): an
-unpack hook's output (learned in an eager backward first), a graph with custom Functions run
-as torch.compile'd regions, saved-tensor hooks unpacked in the graph, or create_graph; a call
-whose waiting grads the trace could not name. A hit never stops: a hook whose output layout
-changes after its graph's first run is copied in that backward, then captured again.
+Either stops the graph at that call, and the rest of the backward goes on from it as eager's
+engine would: the trace's own loop (`_step`, capture/first_run.py Resumer) runs the remaining
+nodes on the real tensors -- each formula for real, each hook called as it comes, on the output
+exactly as the call returned it -- starting from what the trace held when it made that call.
+The trace wrote that down for each such call (ResumePoint: the grads waiting for later nodes and
+the results made so far, by the graph values holding them), and the call takes those values as
+its last `Slot.n_resume` arguments (`pass_values`), so they reach the kernel whatever the
+backend made of the graph: the kernel raises ResumeHere with them, before anything of the output
+enters the graph. The results are laid out as the graph's (Plan.result_calls: each result the
+trace made, in order), and applied as usual. Nothing of the backward runs twice: the calls
+before it ran once, in the graph; it and those after, once, in the resumed steps.
+
+What was seen is learned (NOTE [Layouts of call outputs]): the layout, or, for a subclass, that
+the output is held by reference (NOTE [Values passed by reference], nodes/references.py); the
+graph is dropped and the next backward captures again with it (`stats().layout_resumes`,
+`stats().type_resumes`). The saved tensors the resumed nodes read are the graph's inputs, which
+a hit handed to the graph (NOTE [Boxed graphs free their inputs]): the run keeps weak references
+to them, and those the resumed nodes read are alive at the call, since the graph reads them
+after it (`needed`; a compiler that moved every read of one before the call leaves an error,
+never a wrong value).
+
+Where a call has no resume point (a graph that unpacks saved tensors in it, or inlines
+torch.compile'd regions, or create_graph; a call whose waiting grads the trace could not name),
+an output in another layout is copied (`stats().layout_copies`, learned, captured again) and one
+of another type raises: it never enters the graph.
 """
 
 from __future__ import annotations
@@ -107,3 +118,73 @@ def points(gm: fx.GraphModule, tracer) -> tuple:
             if all(before(out[i]) for i in made):
                 kept.append(ResumePoint(slot, at, kind, tuple(named), n_calls, tuple((i, out[i].name) for i in made)))
     return tuple(kept)
+
+
+def pass_values(gm: fx.GraphModule, slots: tuple, kept: tuple) -> tuple:
+    """Each resume point's values as its call's last arguments before the passed ones (NOTE [The
+    layout of a call's arguments], capture/lint.py): (slots with `n_resume`, points with
+    `values`)."""
+    if not kept:
+        return slots, kept
+    from ..calls.protocol import PASSES_SHIFT, CallArgs
+
+    slots = list(slots)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    calls = {n.args[0]: n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.compiled_autograd.call.default}
+    out = []
+    for p in kept:
+        names = [name for *_, name, bits in p.frontier] + [f for *_, bits in p.frontier if bits for f, _ in bits] + [n for _, n in p.results]
+        names = tuple(dict.fromkeys(names))
+        call = calls[p.slot]
+        c = CallArgs.of(call)
+        n_passed = c.flags >> PASSES_SHIFT
+        args = list(c.args)
+        at = len(args) - n_passed
+        call.args = tuple(c._replace(args=args[:at] + [by_name[n] for n in names] + args[at:]))
+        slots[p.slot] = slots[p.slot]._replace(n_resume=len(names))
+        out.append(p._replace(values=names))
+    gm.recompile()
+    return tuple(slots), tuple(out)
+
+
+def needed(gm: fx.GraphModule, slot: int) -> list:
+    """The graph's input positions that nodes after call `slot` read (directly or through a view
+    of one): what a backward resumed there reads (NOTE [A call output not as traced])."""
+    import operator
+
+    from ..calls.protocol import DEFINEDNESS, PASSES_SHIFT, CallArgs
+    from .create_graph import _aliases
+
+    call = torch.ops.compiled_autograd.call.default
+    nodes = list(gm.graph.nodes)
+    at = next(i for i, n in enumerate(nodes) if n.op == "call_function" and n.target is call and n.args[0] == slot)
+    order = {n: i for i, n in enumerate(nodes)}
+
+    def same_tensor(m, u) -> list:
+        """What stands for `m` after its use `u`: a view of it, or the output of a call that
+        passes it on (NOTE [Hooks may change what the graph reads], capture/passes.py)."""
+        if u.op == "call_function" and u.target is call:
+            c = CallArgs.of(u)
+            n_passed = c.flags >> PASSES_SHIFT
+            first = c.n_outputs + (1 if c.flags & DEFINEDNESS else 0)
+            passed = list(c.args[len(c.args) - n_passed :]) if n_passed else []
+            return [g for g in u.users if g.target is operator.getitem and g.args[1] - first in
+                    [j for j, a in enumerate(passed) if a is m]]
+        return [u] if _aliases(u) else []
+
+    out, position = [], 0
+    for n in nodes:
+        if n.op != "placeholder":
+            continue
+        stack, late = [n], False
+        while stack and not late:
+            m = stack.pop()
+            for u in m.users:
+                if order[u] > at:
+                    late = True
+                    break
+                stack.extend(same_tensor(m, u))
+        if late:
+            out.append(position)
+        position += 1
+    return out

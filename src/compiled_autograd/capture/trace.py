@@ -82,12 +82,13 @@ class _BackwardTracer:
         # (NOTE [A leaf's hooks under create_graph], capture/create_graph.py)
         self.leaf_hooks: list = []
         self.late = create_graph and all(not n.hooks.any or leaf_hooks_only(n) for n in self.nodes)
-        # NOTE [A call output in another layout on a graph's first run] (capture/resume.py)
+        # NOTE [A call output not as traced] (capture/resume.py)
         self.result_calls: list = []  # (result index, flag index) per _result, in order
         self.resume_points: list = []  # what the trace held at each call the first run may stop at
         self.resumable = not create_graph and resume.resumable(collected)
         self.buffers: dict = {}
         self.resumed_inputs: list = []  # a resumed step's node inputs (_step)
+        self.again = None  # a custom Function made opaque that AccumulateGrad's place depends on (_apply)
         self.wrapped: list = []  # Plan.wrapped: results that are tensor subclasses, flattened
         # NOTE [Values passed by reference]: id(token) -> (source, token) per token in the graph
         self.refs: dict = {}
@@ -95,7 +96,6 @@ class _BackwardTracer:
         self.in_graph_accumulate = collected.grad_on_ctx or any(
             (opaque.is_opaque(self, i) and opaque.may_read_grads(self, i)) or (n.hooks.any and not self.late) for i, n in enumerate(self.nodes)
         )
-
 
     # -- graph results -------------------------------------------------------
     def _result(self, v: Value | None) -> tuple[int, int]:
@@ -166,7 +166,7 @@ class _BackwardTracer:
         argument says (NOTE [Unpacked tensor subclasses], nodes/saved_tensors.py)."""
         args, out_metas, rebuild, flat_specs, held = subclass_calls.flatten_args(self, kind, args, out_metas, flags, outs_like_args)
         out_specs = out_specs or flat_specs
-        by_reference_outs = tuple(by_reference_outs) + held
+        by_reference_outs = tuple(by_reference_outs) + held + references.learned(self, len(self.slots), out_metas)
         mask = tuple(m is not None for m in out_metas)
         slot = len(self.slots)
         refs_in = tuple((k, self.refs[id(a)][0]) for k, a in enumerate(args) if self.is_reference(a))
@@ -210,7 +210,6 @@ class _BackwardTracer:
             return OutputMeta.dense(meta.shape, meta.dtype, meta.device, seen)
         return meta
 
-
     # -- the loop -------------------------------------------------------------
     def run(self, args, body=None):
         """The trace of the whole backward on `args` (or `body()`, with the same set-up: a
@@ -243,7 +242,6 @@ class _BackwardTracer:
         finally:
             capture.end_trace()
 
-
     def _run(self, args):
         capture = self.capture
         self.buffers = {}  # node -> the grads waiting for it, per input (the engine's InputBuffers)
@@ -253,6 +251,8 @@ class _BackwardTracer:
         captured = [(-1, -1)] * capture.num_results()
         for idx, node in enumerate(self.nodes):
             self._step(idx, self.buffers.pop(idx, [None] * node.num_inputs), args, captured)
+        if self.again is not None:
+            raise NeedsOpaque(self.again, self.opaque_extra[self.again])
         return self.results, captured
 
     def _add(self, idx, nr, v: Value | None):
@@ -267,7 +267,7 @@ class _BackwardTracer:
     def _step(self, idx, values, args, captured, done=None):
         """Node idx's step of the engine on the grads that reached it. `done`: the kind of the
         call of this step that already ran, `values` then being what it returned (a step
-        resumed after it: NOTE [A call output in another layout on a graph's first run],
+        resumed after it: NOTE [A call output not as traced],
         capture/resume.py)."""
         node = self.nodes[idx]
         self.at = idx
@@ -321,18 +321,17 @@ class _BackwardTracer:
             return None
         return union_bits(*(v.bits for v in defined))
 
-
     def _apply(self, idx, kind, values, args):
         """The node's step, by its family's rule (nodes/__init__.py FAMILIES): its outputs."""
         if opaque.is_opaque(self, idx):
             return opaque.trace(self, idx, values)
         if any(v is not None and self.is_reference(v.t) for v in values):
             # opaque from here on; a custom Function's opaque backward may read `.grad`, which
-            # decides where AccumulateGrad runs (in_graph_accumulate): traced again for it
-            why = "given a grad passed by reference (a tensor subclass the graph cannot hold)"
-            if idx in self.c.pynodes:
-                raise NeedsOpaque(idx, why)
-            self.opaque_extra[idx] = why
+            # decides where AccumulateGrad runs (in_graph_accumulate): traced again for it, once
+            # for all of them (_run; opaque_extra is the capture's own, kept across its traces)
+            self.opaque_extra[idx] = "given a grad passed by reference (a tensor subclass the graph cannot hold)"
+            if idx in self.c.pynodes and not self.in_graph_accumulate:
+                self.again = idx
             return opaque.trace(self, idx, values)
         return FAMILIES[kind].trace(self, idx, values, args)
 
@@ -453,6 +452,7 @@ def _plan(gm, tracer, collected, captured, differentiable, num_results) -> Plan:
         passable_inputs(collected),
         collected.arriving,
     )
+    slots, points = resume.pass_values(gm, slots, resume.points(gm, tracer))  # NOTE [A call output not as traced]
     if config.LINT.on():  # NOTE [The layout of a call's arguments] (capture/lint.py)
         lint(gm, slots)
     return Plan(
@@ -466,7 +466,7 @@ def _plan(gm, tracer, collected, captured, differentiable, num_results) -> Plan:
         differentiable=differentiable,
         releases=releases(tracer.slots, tracer.nodes),
         leaf_hooks=tuple(tracer.leaf_hooks),
-        resume=resume.points(gm, tracer),
+        resume=points,
         result_calls=tuple(tracer.result_calls),
         wrapped=tuple(tracer.wrapped),
         stand_ins=tuple(w.index for w in collected.wrappers) + collected.held,

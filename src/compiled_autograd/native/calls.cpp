@@ -224,8 +224,18 @@ void Applier::release_nodes(const std::vector<int64_t>& idxs) {
 
 // Drop our references to the lifted tensors (they were handed to the
 // compiled graph, which frees each at its last use).
-void Applier::drop_lifted() {
-  std::vector<at::Tensor>().swap(g_.call_.tensor_args.inputs);
+// `keep_args`: remember where each one's TensorArg is, so that a backward resumed on real
+// tensors after the graph stopped at a call can still give the nodes' saved variables the
+// lifted tensors (Tracer::begin_trace; NOTE [A call output not as traced] in capture/resume.py).
+void Applier::drop_lifted(bool keep_args) {
+  auto& args = g_.call_.tensor_args;
+  if (keep_args && !args.inputs.empty()) {
+    g_.lifted_args_.clear();
+    for (const auto& t : args.inputs) {
+      g_.lifted_args_.push_back(&args.lookup(t));
+    }
+  }
+  std::vector<at::Tensor>().swap(args.inputs);
 }
 
 // Whether user code run at node `idx` (stage 0: its tensor pre-hooks, 1: its
@@ -279,7 +289,7 @@ bool Applier::will_execute(py::handle obj) const {
 // to the Python functions installed here.
 // ---------------------------------------------------------------------------
 struct ReplayFrame {
-  py::tuple frame; // protocol.ReplayFrame: (capture, slots, outside, hooks, steal, keep, versions, ctx, releases, observed) (FrameField)
+  py::tuple frame; // protocol.ReplayFrame (its fields by name: CallFallbacks::frame_at)
   GraphCapture* capture;
   StorageSet* steal; // nullptr: never steal
   c10::DispatchKeySet outside; // the dispatch keys the backward call excluded
@@ -296,13 +306,36 @@ struct CallKindRow {
   int stage; // where in its node's steps it runs (GraphCapture::hooks_added)
 };
 
+// Where each field of a Python NamedTuple the helper reads is, by name: given by install_calls
+// from the NamedTuple's own `_fields` (values.Slot, protocol.ReplayFrame), never assumed.
+struct Fields {
+  std::unordered_map<std::string, Py_ssize_t> at;
+  Py_ssize_t operator[](const char* name) const {
+    auto it = at.find(name);
+    TORCH_CHECK(it != at.end(), "compiled_autograd: the helper reads a field '", name, "' Python's tuple has not");
+    return it->second;
+  }
+  void read(py::handle fields) {
+    at.clear();
+    Py_ssize_t i = 0;
+    for (auto f : py::tuple(py::reinterpret_borrow<py::object>(fields))) {
+      at[f.cast<std::string>()] = i++;
+    }
+  }
+};
+
 struct CallFallbacks {
   py::object call_direct; // calls/kernel.py call_direct: any call not on the fast path
   py::object run_call; // calls/kernel.py _run_call: a call on the fast path these steps do not take
   std::vector<CallKindRow> kinds; // the rows of the kinds the helper runs
   std::vector<at::ScalarType> dtypes; // protocol.DTYPES
   std::vector<c10::DeviceType> device_types; // protocol.DEVICE_TYPES
-  py::object check_versions, check_ctx, hooks_added_error, shared_modified_error, still_empty_error, conform_error, observed_layout, conformed;
+  PyObject* parameter_class = nullptr; // torch.nn.Parameter: plain, as torch.Tensor is
+  py::object check_versions, check_ctx, hooks_added_error, shared_modified_error, still_empty_error, conform;
+  // the fields of values.Slot and protocol.ReplayFrame the helper reads
+  Py_ssize_t slot_kind, slot_node, slot_mask, slot_in_flags, slot_fresh, slot_n_after, slot_shared, slot_n_watch, slot_at,
+      slot_rebuild, slot_by_reference, slot_n_resume;
+  Py_ssize_t frame_capture, frame_slots, frame_steal, frame_keep, frame_versions, frame_ctx, frame_releases;
 };
 
 static CallFallbacks& fallbacks() {
@@ -327,21 +360,30 @@ void install_calls(py::dict fns) {
   for (auto d : py::list(fns["device_types"])) {
     f.device_types.push_back(c10::Device(d.cast<std::string>()).type());
   }
+  f.parameter_class = py::object(fns["parameter_class"]).release().ptr(); // (kept: never freed)
   f.check_versions = fns["check_versions"];
   f.check_ctx = fns["check_ctx"];
   f.hooks_added_error = fns["hooks_added_error"];
   f.shared_modified_error = fns["shared_modified_error"];
   f.still_empty_error = fns["still_empty_error"];
-  f.conform_error = fns["conform_error"];
-  f.observed_layout = fns["observed_layout"];
-  f.conformed = fns["conformed"];
+  f.conform = fns["conform"];
+  Fields slot, frame;
+  slot.read(fns["slot_fields"]);
+  frame.read(fns["frame_fields"]);
+  f.slot_kind = slot["kind"], f.slot_node = slot["node"], f.slot_mask = slot["mask"], f.slot_in_flags = slot["in_flags"];
+  f.slot_fresh = slot["fresh"], f.slot_n_after = slot["n_after"], f.slot_shared = slot["shared"], f.slot_n_watch = slot["n_watch"];
+  f.slot_at = slot["at"], f.slot_rebuild = slot["rebuild"], f.slot_by_reference = slot["by_reference"];
+  f.slot_n_resume = slot["n_resume"];
+  f.frame_capture = frame["capture"], f.frame_slots = frame["slots"], f.frame_steal = frame["steal"], f.frame_keep = frame["keep"];
+  f.frame_versions = frame["versions"], f.frame_ctx = frame["ctx"], f.frame_releases = frame["releases"];
 }
 
 void push_replay(py::tuple frame, py::list last) {
-  py::object steal = frame[FrameField::STEAL];
+  auto& fb = fallbacks();
+  py::object steal = frame[fb.frame_steal];
   replay_frames.push_back(ReplayFrame{
       frame,
-      frame[FrameField::CAPTURE].cast<GraphCapture*>(),
+      frame[fb.frame_capture].cast<GraphCapture*>(),
       steal.is_none() ? nullptr : steal.cast<StorageSet*>(),
       c10::impl::tls_local_dispatch_key_set().excluded_,
       last,
@@ -403,72 +445,83 @@ static bool sole_owner(const at::Tensor& t) {
   return alone && t.has_storage() && t.storage().use_count() == 1;
 }
 
-// The outputs of a hook or node call as the graph expects them (kernel._conform): per output
-// traced as defined (`mask`), the tensor, in the traced layout (copied into it, and its own
-// layout reported to `observed`, where it had another: NOTE [Layouts of call outputs]) and
-// without lazy conj/neg bits, copied unless the graph's code is its only owner or it is one
-// of `keep`; zeros where it is None; then, with DEFINEDNESS, which were defined. Anything
-// else: kernel._conform's error.
+// kernel._is_plain: a tensor made in C++ (no Python object), or one whose Python object is a
+// torch.Tensor or a Parameter: no subclass of any kind
+static bool is_plain(const at::Tensor& t) {
+  PyObject* obj = t.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj();
+  return obj == nullptr ? !t.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python)
+                        : (Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(THPVariableClass) ||
+                           Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(fallbacks().parameter_class));
+}
+
+// The outputs of a hook or node call as the graph expects them, where each is as traced: per
+// output traced as defined (`mask`), the tensor, copied unless the graph's code is its only
+// owner or it is one of `keep`; zeros where it is None; then, with DEFINEDNESS, which were
+// defined. Anything else -- an output of another type, shape, dtype, device or layout, with a
+// lazy conj/neg bit, or a grad where the trace had None -- goes, untouched, to kernel._conform,
+// the one place of the rules for what is not as traced (it copies, stops the graph, or raises:
+// NOTE [A call output not as traced] in capture/resume.py). `args` and `values`: the call's
+// arguments and what the graph holds at it, should it stop there.
 static py::list conform(
     int kind,
-    ReplayFrame& f,
     int64_t slot,
-    py::handle kind_obj,
-    py::handle node_obj,
     py::handle mask,
     std::vector<std::optional<at::Tensor>> outs,
     const std::vector<at::Tensor>& keep,
     const py::list& meta_list,
-    int64_t flags) {
+    int64_t flags,
+    const std::vector<PyObject*>& args,
+    const py::object& values) {
   auto& fb = fallbacks();
   auto n_mask = static_cast<size_t>(PyTuple_GET_SIZE(mask.ptr()));
-  auto fail = [&]() {
-    py::list given;
-    for (auto& o : outs) {
-      given.append(o.has_value() && o->defined() ? wrap(*o) : py::none());
-    }
-    fb.conform_error(kind_obj, py::handle(f.frame[FrameField::CAPTURE]), node_obj, mask, given, meta_list, flags);
-    throw std::runtime_error("compiled_autograd: kernel._conform accepted what the helper did not");
-  };
   if (outs.size() < n_mask) {
     outs.resize(n_mask);
   }
   auto metas = decode_meta(meta_list, fb.dtypes, fb.device_types);
-  py::list result;
-  std::vector<bool> present;
-  size_t k = 0;
-  for (size_t i = 0; i < n_mask; ++i) {
+  bool as_traced = true;
+  for (size_t i = 0, k = 0; i < n_mask && as_traced; ++i) {
     bool traced = PyTuple_GET_ITEM(mask.ptr(), i) == Py_True;
     bool defined = outs[i].has_value() && outs[i]->defined();
     if (!traced) {
-      if (defined && kind != CALL_NODE) {
-        fail(); // a hook made a None grad defined
-      }
+      as_traced = !defined || kind == CALL_NODE; // (a node's grad where the trace had none goes nowhere)
       continue;
     }
-    const OutputMeta& m = metas.at(k);
-    if (!defined) {
+    const OutputMeta& m = metas.at(k++);
+    if (defined) {
+      const at::Tensor& o = *outs[i];
+      as_traced = is_plain(o) && o.sizes() == c10::IntArrayRef(m.shape) && o.scalar_type() == m.dtype && o.device() == m.device &&
+          !o.is_conj() && !o.is_neg() && m.has_layout(o);
+    }
+  }
+  if (!as_traced) {
+    py::list given, kept, call_args;
+    for (auto& o : outs) {
+      given.append(o.has_value() && o->defined() ? wrap(std::move(*o)) : py::none());
+    }
+    outs.clear();
+    for (const auto& t : keep) {
+      kept.append(wrap(t));
+    }
+    for (PyObject* a : args) {
+      call_args.append(py::handle(a));
+    }
+    return fb.conform(slot, given, kept, meta_list, flags, call_args, values);
+  }
+  py::list result;
+  std::vector<bool> present;
+  for (size_t i = 0, k = 0; i < n_mask; ++i) {
+    if (PyTuple_GET_ITEM(mask.ptr(), i) != Py_True) {
+      continue;
+    }
+    const OutputMeta& m = metas.at(k++);
+    if (!outs[i].has_value() || !outs[i]->defined()) {
       present.push_back(false);
       result.append(wrap(m.empty().zero_()));
-      ++k;
       continue;
     }
     at::Tensor o = std::move(*outs[i]);
     outs[i].reset();
-    if (o.sizes() != c10::IntArrayRef(m.shape) || o.scalar_type() != m.dtype || o.device() != m.device) {
-      outs[i] = std::move(o);
-      fail();
-    }
     present.push_back(true);
-    o = o.resolve_conj().resolve_neg();
-    if (!m.has_layout(o)) {
-      py::object given = wrap(o);
-      py::handle observed = f.frame[FrameField::OBSERVED];
-      if (!observed.is_none()) {
-        observed[py::make_tuple(slot, k)] = fb.observed_layout(given);
-      }
-      o = THPVariable_Unpack(fb.conformed(meta_list, k, given).ptr());
-    }
     bool kept = std::any_of(keep.begin(), keep.end(), [&](const at::Tensor& a) {
       return a.unsafeGetTensorImpl() == o.unsafeGetTensorImpl();
     });
@@ -476,7 +529,6 @@ static py::list conform(
       o = o.clone();
     }
     result.append(wrap(std::move(o)));
-    ++k;
   }
   if (flags & kDefinedness) {
     auto flags_t = at::empty({static_cast<int64_t>(present.size())}, at::TensorOptions().dtype(at::kBool));
@@ -499,42 +551,44 @@ py::object call_direct(int64_t slot, py::list args, py::list meta, int64_t flags
     return python();
   }
   ReplayFrame f = replay_frames.back(); // (a copy: a hook's nested backward pushes and pops frames)
-  py::tuple s = py::reinterpret_borrow<py::tuple>(py::handle(f.frame[FrameField::SLOTS])[py::int_(slot)]);
-  // values.Slot: (kind, node, mask, in_flags, fresh, n_after, shared, n_watch, at, rebuild, out_specs, by_reference) (SlotField)
-  py::handle kind_obj = s[SlotField::KIND];
+  py::handle slots = f.frame[fb.frame_slots];
+  py::tuple s = py::reinterpret_borrow<py::tuple>(slots[py::int_(slot)]);
+  py::handle kind_obj = s[fb.slot_kind];
   auto [kind, stage] = call_kind(kind_obj);
   if (kind == CALL_PYTHON || c10::impl::tls_local_dispatch_key_set().excluded_ != f.outside) {
     return python();
   }
-  if (PyTuple_GET_SIZE(s.ptr()) > static_cast<Py_ssize_t>(SlotField::REBUILD) && PyObject_IsTrue(s[SlotField::REBUILD].ptr())) {
-    return python(); // tensor subclass arguments, rebuilt from their inner tensors (kernel._run_call)
+  if (PyObject_IsTrue(s[fb.slot_rebuild].ptr()) || PyObject_IsTrue(s[fb.slot_by_reference].ptr())) {
+    // tensor subclass arguments rebuilt from their inner tensors, values passed by reference (kernel._run_call)
+    return python();
   }
-  if (PyTuple_GET_SIZE(s.ptr()) > static_cast<Py_ssize_t>(SlotField::BY_REFERENCE) &&
-      PyObject_IsTrue(s[SlotField::BY_REFERENCE].ptr())) {
-    return python(); // values passed by reference (kernel._run_call)
-  }
-  py::object node_obj = s[SlotField::NODE];
+  py::object node_obj = s[fb.slot_node];
   auto node = node_obj.cast<size_t>();
-  py::handle mask = s[SlotField::MASK];
+  py::handle mask = s[fb.slot_mask];
   if (!PyTuple_Check(mask.ptr())) {
     return python();
   }
-  bool in_flags = PyObject_IsTrue(s[SlotField::IN_FLAGS].ptr());
-  bool fresh = PyObject_IsTrue(s[SlotField::FRESH].ptr());
-  auto n_after = s[SlotField::N_AFTER].cast<Py_ssize_t>();
-  py::tuple shared = s[SlotField::SHARED];
-  auto n_watch = s[SlotField::N_WATCH].cast<Py_ssize_t>();
-  // the arguments: the call's own (then, with in_flags, which are defined), n_after that
-  // only order it, n_watch saved tensors it checks, n_passed graph inputs it returns
+  bool in_flags = PyObject_IsTrue(s[fb.slot_in_flags].ptr());
+  bool fresh = PyObject_IsTrue(s[fb.slot_fresh].ptr());
+  auto n_after = s[fb.slot_n_after].cast<Py_ssize_t>();
+  py::tuple shared = s[fb.slot_shared];
+  auto n_watch = s[fb.slot_n_watch].cast<Py_ssize_t>();
+  auto n_resume = s[fb.slot_n_resume].cast<Py_ssize_t>(); // (-1: the call cannot stop the graph)
+  bool stops = n_resume >= 0;
+  n_resume = std::max<Py_ssize_t>(n_resume, 0);
+  // the arguments (NOTE [The layout of a call's arguments], capture/lint.py): the call's own
+  // (then, with in_flags, which are defined), n_after that only order it, n_watch saved tensors
+  // it checks, n_resume values the graph holds at it, n_passed graph inputs it returns
   Py_ssize_t n_passed = flags >> kPassesShift;
-  Py_ssize_t end_watch = PyList_GET_SIZE(args.ptr()) - n_passed;
+  Py_ssize_t end_resume = PyList_GET_SIZE(args.ptr()) - n_passed;
+  Py_ssize_t end_watch = end_resume - n_resume;
   Py_ssize_t n = end_watch - n_watch - n_after;
   // the slot of the last call (kernel._replay.last); the engine runs each node in the
   // backward's grad mode (kernel._run_call)
-  py::object at_obj = s[SlotField::AT];
+  py::object at_obj = s[fb.slot_at];
   PyObject* last = PyList_GET_ITEM(f.last.ptr(), f.pos);
   bool new_node = last == Py_None ||
-      !at_obj.equal(py::handle(PyTuple_GET_ITEM(py::handle(f.frame[FrameField::SLOTS])[py::handle(last)].ptr(), SlotField::AT)));
+      !at_obj.equal(py::handle(PyTuple_GET_ITEM(slots[py::handle(last)].ptr(), fb.slot_at)));
   py::int_ slot_obj(slot);
   PyList_SetItem(f.last.ptr(), f.pos, slot_obj.inc_ref().ptr());
   if (new_node) {
@@ -596,7 +650,7 @@ py::object call_direct(int64_t slot, py::list args, py::list meta, int64_t flags
       }
     }
     std::vector<at::Tensor> keep; // the call's inputs nothing else in the graph reads (kernel._run_slot)
-    if (PyObject_IsTrue(f.frame[FrameField::KEEP].ptr()) && (flags & kKeepsInputs)) {
+    if (PyObject_IsTrue(f.frame[fb.frame_keep].ptr()) && (flags & kKeepsInputs)) {
       for (size_t i = 0; i < inputs.size(); ++i) {
         bool is_shared = std::any_of(shared.begin(), shared.end(), [&](py::handle j) { return j.cast<size_t>() == i; });
         if (inputs[i].has_value() && !is_shared) {
@@ -605,13 +659,21 @@ py::object call_direct(int64_t slot, py::list args, py::list meta, int64_t flags
       }
     }
     inputs.clear();
-    outs = conform(kind, f, slot, kind_obj, node_obj, mask, std::move(results), keep, meta, flags);
+    py::object values = py::none();
+    if (stops) {
+      py::list held;
+      for (Py_ssize_t i = end_watch; i < end_resume; ++i) {
+        held.append(py::handle(PyList_GET_ITEM(args.ptr(), i)));
+      }
+      values = held;
+    }
+    outs = conform(kind, slot, mask, std::move(results), keep, meta, flags, given, values);
   }
   if (f.capture->hooks_added(node, stage)) {
-    fb.hooks_added_error(kind_obj, py::handle(f.frame[FrameField::CAPTURE]), node_obj);
+    fb.hooks_added_error(kind_obj, py::handle(f.frame[fb.frame_capture]), node_obj);
   }
   if (n_watch > 0) {
-    py::list expected = py::handle(f.frame[FrameField::VERSIONS])[py::int_(slot)];
+    py::list expected = py::handle(f.frame[fb.frame_versions])[py::int_(slot)];
     Py_ssize_t start = end_watch - n_watch;
     for (Py_ssize_t k = 0; k < n_watch; ++k) {
       if (tensor_at(args.ptr(), start + k)._version() != expected[k].cast<int64_t>()) {
@@ -623,7 +685,7 @@ py::object call_direct(int64_t slot, py::list args, py::list meta, int64_t flags
       }
     }
   }
-  py::handle ctx = f.frame[FrameField::CTX];
+  py::handle ctx = f.frame[fb.frame_ctx];
   if (!ctx.is_none() && PyDict_Contains(ctx.ptr(), py::int_(slot).ptr()) == 1) {
     fb.check_ctx(ctx[py::int_(slot)]);
   }
@@ -631,23 +693,23 @@ py::object call_direct(int64_t slot, py::list args, py::list meta, int64_t flags
   for (auto i : shared) {
     PyObject* a = given.at(i.cast<size_t>());
     if (a != Py_None && THPVariable_Unpack(a)._version() != before[k]) {
-      fb.shared_modified_error(kind_obj, py::handle(f.frame[FrameField::CAPTURE]), node_obj);
+      fb.shared_modified_error(kind_obj, py::handle(f.frame[fb.frame_capture]), node_obj);
     }
     ++k;
   }
-  py::handle releases = f.frame[FrameField::RELEASES];
+  py::handle releases = f.frame[fb.frame_releases];
   if (!releases.is_none() && PyDict_Contains(releases.ptr(), py::int_(slot).ptr()) == 1) {
     f.capture->release_nodes(releases[py::int_(slot)].cast<std::vector<int64_t>>());
   }
-  bool keep_passed = PyObject_IsTrue(f.frame[FrameField::KEEP].ptr());
-  for (Py_ssize_t i = end_watch; i < end_watch + n_passed; ++i) {
+  bool keep_passed = PyObject_IsTrue(f.frame[fb.frame_keep].ptr());
+  for (Py_ssize_t i = end_resume; i < end_resume + n_passed; ++i) {
     // graph inputs read after the call, as it leaves them; a user's backend may reuse an
     // output's buffer: a copy
     PyObject* t = PyList_GET_ITEM(args.ptr(), i);
     const at::Tensor& passed = THPVariable_Unpack(t);
     if (passed.numel() > 0 && passed.storage().nbytes() == 0) {
       // NOTE [Tensors whose data arrives during the backward]: no hook refilled it
-      fb.still_empty_error(kind_obj, py::handle(f.frame[FrameField::CAPTURE]), node_obj);
+      fb.still_empty_error(kind_obj, py::handle(f.frame[fb.frame_capture]), node_obj);
     }
     outs.append(keep_passed ? py::reinterpret_borrow<py::object>(t) : wrap(passed.clone()));
   }

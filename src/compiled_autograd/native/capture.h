@@ -277,6 +277,7 @@ struct CollectedGraph {
   size_t num_results_ = 0;
   std::vector<Edge> root_edges_;
   std::vector<at::Tensor> root_grads_;
+  std::vector<cad::TensorArg*> lifted_args_; // each lifted tensor's, once they were dropped (Applier::drop_lifted)
   bool filtered_ = false; // `inputs=` given: only the nodes leading to them run
 };
 
@@ -392,7 +393,7 @@ class Applier {
       const std::vector<int64_t>& captured);
   void release();
   void release_nodes(const std::vector<int64_t>& idxs);
-  void drop_lifted();
+  void drop_lifted(bool keep_args = false);
   bool hooks_added(size_t idx, int stage) const;
   bool will_execute(py::handle obj) const;
 
@@ -488,8 +489,8 @@ class GraphCapture : public CollectedGraph {
   void release_nodes(const std::vector<int64_t>& idxs) {
     applier_.release_nodes(idxs);
   }
-  void drop_lifted() {
-    applier_.drop_lifted();
+  void drop_lifted(bool keep_args) {
+    applier_.drop_lifted(keep_args);
   }
   bool hooks_added(size_t idx, int stage) const {
     return applier_.hooks_added(idx, stage);
@@ -504,6 +505,7 @@ class GraphCapture : public CollectedGraph {
   void clear() {
     clear_graph();
     applier_.drop_lifted();
+    lifted_args_.clear();
     tracer_.clear();
     saved_hooks_.clear();
   }
@@ -529,6 +531,7 @@ class PyNodeSavedSwap {
   py::object node_;
   std::vector<torch::autograd::SavedVariable> stashed_;
   bool restored_ = false;
+  bool freed_ = false; // the node's saved tensors were released (a backward resumed on a hit)
 };
 
 // ---- module functions --------------------------------------------------------

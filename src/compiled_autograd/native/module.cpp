@@ -93,7 +93,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("release_nodes", &GraphCapture::release_nodes)
       .def("will_execute", &GraphCapture::will_execute)
       .def("hooks_added", &GraphCapture::hooks_added)
-      .def("drop_lifted", &GraphCapture::drop_lifted)
+      .def("drop_lifted", &GraphCapture::drop_lifted, py::arg("keep_args") = false)
       .def("clear", &GraphCapture::clear)
       .def_readwrite("grad_mode", &GraphCapture::grad_mode);
   py::class_<PyNodeSavedSwap>(m, "PyNodeSavedSwap", py::module_local())

@@ -258,9 +258,16 @@ void Tracer::begin_trace(
     py::object unpack_in_graph,
     const std::vector<std::optional<c10::SymInt>>& sym_sizes) {
   auto& args = g_.call_.tensor_args;
-  TORCH_CHECK(proxies.size() == args.inputs.size(), "proxy count mismatch");
-  for (size_t i = 0; i < proxies.size(); ++i) {
-    args.lookup(args.inputs[i]).proxy_tensor = proxies[i];
+  if (args.inputs.empty() && !g_.lifted_args_.empty()) { // dropped (a hit), their args kept: Applier::drop_lifted
+    TORCH_CHECK(proxies.size() == g_.lifted_args_.size(), "proxy count mismatch");
+    for (size_t i = 0; i < proxies.size(); ++i) {
+      g_.lifted_args_[i]->proxy_tensor = proxies[i];
+    }
+  } else {
+    TORCH_CHECK(proxies.size() == args.inputs.size(), "proxy count mismatch");
+    for (size_t i = 0; i < proxies.size(); ++i) {
+      args.lookup(args.inputs[i]).proxy_tensor = proxies[i];
+    }
   }
   unpacked_proxies_ = to_variables(unpacked_proxies);
   unpack_in_graph_ = std::move(unpack_in_graph);
@@ -393,7 +400,10 @@ PyNodeSavedSwap::PyNodeSavedSwap(py::object node, const std::vector<std::optiona
     : node_(std::move(node)) {
   TORCH_CHECK(THPFunction_Check(node_.ptr()), "not a custom Function node");
   auto* f = reinterpret_cast<THPFunction*>(node_.ptr());
-  TORCH_CHECK(proxies.size() == f->saved_variables.size(), "saved tensor count mismatch");
+  // (released before a hit's graph ran, and a backward resumed after it: the proxies stand in)
+  freed_ = f->has_freed_buffers && f->saved_variables.empty();
+  TORCH_CHECK(freed_ || proxies.size() == f->saved_variables.size(), "saved tensor count mismatch");
+  f->has_freed_buffers = 0;
   stashed_ = std::move(f->saved_variables);
   f->saved_variables.clear();
   bool prior = at::SavedTensorDefaultHooks::set_tracing(true);
@@ -413,6 +423,7 @@ void PyNodeSavedSwap::restore() {
   }
   auto* f = reinterpret_cast<THPFunction*>(node_.ptr());
   f->saved_variables = std::move(stashed_);
+  f->has_freed_buffers = freed_ ? 1 : 0;
   restored_ = true;
 }
 

@@ -63,35 +63,8 @@ struct GradientEdgeField {
 // The call protocol (protocol.CallArgs: slot, args, meta, flags)
 // ---------------------------------------------------------------------------
 
-// values.Slot: one opaque call of a graph, by position
-struct SlotField {
-  static constexpr size_t KIND = 0;
-  static constexpr size_t NODE = 1;
-  static constexpr size_t MASK = 2;
-  static constexpr size_t IN_FLAGS = 3;
-  static constexpr size_t FRESH = 4;
-  static constexpr size_t N_AFTER = 5;
-  static constexpr size_t SHARED = 6;
-  static constexpr size_t N_WATCH = 7;
-  static constexpr size_t AT = 8;
-  static constexpr size_t REBUILD = 9;
-  static constexpr size_t OUT_SPECS = 10;
-  static constexpr size_t BY_REFERENCE = 11;
-};
-
-// protocol.ReplayFrame: the context of one compiled graph run, by position
-struct FrameField {
-  static constexpr size_t CAPTURE = 0;
-  static constexpr size_t SLOTS = 1;
-  static constexpr size_t OUTSIDE = 2;
-  static constexpr size_t HOOKS = 3;
-  static constexpr size_t STEAL = 4;
-  static constexpr size_t KEEP = 5;
-  static constexpr size_t VERSIONS = 6;
-  static constexpr size_t CTX = 7;
-  static constexpr size_t RELEASES = 8;
-  static constexpr size_t OBSERVED = 9;
-};
+// values.Slot and protocol.ReplayFrame are read by field name: install_calls is given each
+// NamedTuple's `_fields` and finds the fields the helper reads there (calls.cpp Fields).
 
 // The bits of a call's `flags` the helper reads (protocol.DEFINEDNESS, protocol.KEEPS_INPUTS,
 // protocol.PASSES_SHIFT; the others it does not read)

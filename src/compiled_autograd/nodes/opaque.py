@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..values import CallHow, NodeFamily, NodeKind, OutputMeta, SlotKind
+from ..values import REFERENCE, CallHow, NodeFamily, NodeKind, OutputMeta, SlotKind
 from . import compiled_region, references
 from .grads import Value
 
@@ -46,13 +46,16 @@ def reason(t, idx) -> str:
 def trace(t, idx, values):
     edges, edge_sizes = t.nodes[idx].edges, t.nodes[idx].edge_sizes
     metas, by_reference = [], []
+    # what it computes from a value the graph cannot hold, the graph does not hold either (a
+    # subclass grad through a plain edge: NOTE [A call output not as traced], capture/resume.py)
+    given = any(v is not None and t.is_reference(v.t) for v in values)
     for k, ((to, nr), pos) in enumerate(zip(edges, edge_sizes)):
         m = None
         md = t.capture.input_metadata(to)[nr] if to >= 0 else None
-        if md is not None and (md[0] is None or nr in t.capture.subclass_inputs(to)):
+        if md is not None and (given or md[0] is None or nr in t.capture.subclass_inputs(to) or t.layouts.get(("node", idx, k)) == REFERENCE):
             # a grad that is a tensor subclass (a nested tensor, whose sizes are no ints; a
-            # DTensor) from a node the graph does not trace: held beside the graph, a token in
-            # it (NOTE [Values passed by reference], nodes/references.py)
+            # DTensor; one an eager backward saw come) from a node the graph does not trace: held
+            # beside the graph, a token in it (NOTE [Values passed by reference], nodes/references.py)
             m = references.token(md[1], md[2])
             by_reference.append(k)
         elif md is not None:

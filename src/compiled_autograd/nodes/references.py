@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from ..values import OutputMeta, SlotKind
+from ..values import REFERENCE, OutputMeta, SlotKind
 from .grads import Value
 
 FAMILY = "references"
@@ -67,6 +67,13 @@ def root_values(t, args, roots) -> list:
             values[k] = args[g]
             t.refs[id(args[g])] = (("lifted", g), args[g])
     return values
+
+
+def learned(t, slot: int, out_metas) -> tuple:
+    """The positions of call `slot`'s outputs that an earlier backward saw come as a tensor
+    subclass (NOTE [A call output not as traced], capture/resume.py): held by reference."""
+    positions = [i for i, m in enumerate(out_metas) if m is not None]
+    return tuple(positions[k] for k in range(len(positions)) if t.layouts.get((slot, k)) == REFERENCE)
 
 
 def sum_grads(t, a: Value, b: Value) -> Value:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -43,9 +43,11 @@ class Stats:
     live_refusals:   captures a live record refused, traced on fakes instead
     layout_copies:   outputs of hooks, opaque nodes and unpack hooks copied into the layout
                      the graph was traced with (NOTE [Layouts of call outputs] in calls/kernel.py)
-    layout_resumes:  first backwards of a graph in which a call returned another layout than
-                     traced, finished in eager's order from that call, bitwise (NOTE [A call output
-                     in another layout on a graph's first run] in capture/resume.py)
+    layout_resumes:  backwards in which a call returned another layout than traced, finished in
+                     eager's order from that call, bitwise (NOTE [A call output not as traced] in
+                     capture/resume.py)
+    type_resumes:    backwards in which a call returned a tensor subclass where the graph has a
+                     plain tensor, finished in eager's order from that call (the same NOTE)
     """
 
     captures: int = 0
@@ -68,42 +70,20 @@ class Stats:
     packages_loaded: int = 0
     layout_copies: int = 0
     layout_resumes: int = 0
+    type_resumes: int = 0
     make_fx_traces: int = 0
     live_records: int = 0
     live_refusals: int = 0
 
     def snapshot(self) -> "Stats":
-        return Stats(
-            captures=self.captures,
-            dynamic_captures=self.dynamic_captures,
-            disk_hits=self.disk_hits,
-            hits=self.hits,
-            eager_fallbacks=self.eager_fallbacks,
-            learning_backwards=self.learning_backwards,
-            eager_while_compiling=self.eager_while_compiling,
-            opaque_nodes=self.opaque_nodes,
-            fallback_reasons=Counter(self.fallback_reasons),
-            opaque_reasons=Counter(self.opaque_reasons),
-            fallback_details=Counter(self.fallback_details),
-            opaque_details=Counter(self.opaque_details),
-            trace_seconds=self.trace_seconds,
-            compile_seconds=self.compile_seconds,
-            compiles_pending=self.compiles_pending,
-            compile_failures=self.compile_failures,
-            child_compiles=self.child_compiles,
-            packages_loaded=self.packages_loaded,
-            layout_copies=self.layout_copies,
-            layout_resumes=self.layout_resumes,
-            make_fx_traces=self.make_fx_traces,
-            live_records=self.live_records,
-            live_refusals=self.live_refusals,
-        )
+        return Stats(**{f.name: (Counter(v) if isinstance(v, Counter) else v) for f in fields(self) for v in [getattr(self, f.name)]})
 
     def __str__(self) -> str:
         reasons = ", ".join(f"{r}: {n}" for r, n in self.fallback_reasons.most_common())
         learning = f"learning_backwards={self.learning_backwards} " if self.learning_backwards else ""
         learning += f"layout_copies={self.layout_copies} " if self.layout_copies else ""
         learning += f"layout_resumes={self.layout_resumes} " if self.layout_resumes else ""
+        learning += f"type_resumes={self.type_resumes} " if self.type_resumes else ""
         learning += f"packages_loaded={self.packages_loaded} " if self.packages_loaded else ""
         learning += f"eager_while_compiling={self.eager_while_compiling} " if self.eager_while_compiling else ""
         return (

@@ -4,11 +4,14 @@ apply its results with eager semantics."""
 from __future__ import annotations
 
 import gc
+import weakref
 
 import torch
 
 from ..calls import kernel
 from ..calls.graph_task import in_graph_task
+from ..errors import ResumeHere
+from ..values import BOXED
 from ..nodes import SLOT_KINDS
 from ..nodes.state import read_state, state_reads
 from .differentiable import DifferentiableGraph
@@ -17,10 +20,10 @@ from .validate import backend_output_error, mismatches
 
 
 def run_graph(entry: CompiledBackward, capture, lifted, extra, hooks, releases=(), free_on_failure=False, observed=None, keep_graph=True,
-              first_run=None):
-    """Run the entry's function on the lifted tensors (`first_run`: instead, the function
-    running a graph's first run, NOTE [A call output in another layout on a graph's first run]
-    in capture/resume.py); its results."""
+              resume=None):
+    """Run the entry's function on the lifted tensors; its results. `resume(stop, args)`: the
+    results where a call stops the run (a ResumeHere: NOTE [A call output not as traced] in
+    capture/resume.py), given the graph's inputs still alive (None where one was freed)."""
     # root grads held by reference, taken before their stand-ins replace them (NOTE [Values passed by reference])
     held = [(("lifted", i), lifted[i]) for i in entry.plan.held] if entry.plan.held else None
     if entry.plan.stand_ins:
@@ -46,14 +49,24 @@ def run_graph(entry: CompiledBackward, capture, lifted, extra, hooks, releases=(
         ]
         for slot, idxs in entry.plan.ctx_checks
     } or None
+    # a run that may stop at a call: the inputs, weakly where the graph frees them as it goes
+    inputs = None
+    if resume is not None and entry.plan.resume:
+        inputs = [weakref.ref(a) if isinstance(a, torch.Tensor) else a for a in args] if getattr(entry.fn, BOXED, False) else list(args)
 
     def run():
         after = entry.plan.release_after if releases else None
         frame = kernel.replaying(capture, entry.plan.slots, hooks, steal, entry.steals, versions, ctx, after, observed,
-                                getattr(first_run, "resumable", None), dict(held) if held else None)
+                                dict(held) if held else None)
         try:
             with frame, torch.no_grad():
-                outs = first_run(args) if first_run is not None else list(entry(args))
+                try:
+                    outs = list(entry(args))
+                except ResumeHere as stop:
+                    if inputs is None:
+                        raise
+                    alive = [a() if isinstance(a, weakref.ref) else a for a in inputs]
+                    return resume(stop, alive)  # (what a call handed on by reference is in them as it came)
             for r, src in entry.plan.by_reference:  # NOTE [Values passed by reference] (nodes/references.py)
                 outs[r] = frame.refs.get(src)
             return outs

@@ -1,80 +1,43 @@
-"""A graph's first run, which can stop at a call and go on in eager's order (NOTE [A call output
-in another layout on a graph's first run] in capture/resume.py, which holds what the trace
-writes down for it)."""
+"""The rest of a backward, in eager's order, from a call whose output was not as traced (NOTE
+[A call output not as traced] in capture/resume.py, which holds what the trace writes down for
+it): the trace's own engine loop run on the real tensors."""
 
 from __future__ import annotations
 
-import operator
+import dataclasses
 
 import torch
-import torch.fx as fx
 
 from ..calls import kernel
-from ..errors import ResumeHere
 from ..nodes import SLOT_KINDS
 from ..nodes.grads import Value
 from ..nodes.hooks import POST_HOOKS
 from ..nodes.opaque import NODE
-from ..values import ResumePoint
+from .resume import needed
 from .trace import _BackwardTracer
 
 
-def first_run(entry, collected):
-    """The graph's first run (NOTE [A call output in another layout on a graph's first run] in
-    resume.py): a function of the graph's arguments that returns its
-    results, stopping at a call whose output comes in another layout and going on from there."""
-    gm, plan = entry.graph, entry.plan
-    nodes = list(gm.graph.nodes)
-    at = {n.name: i for i, n in enumerate(nodes)}
-    calls = {n.args[0]: i for i, n in enumerate(nodes) if n.op == "call_function" and n.target is torch.ops.compiled_autograd.call.default}
-    # each value is dropped after its last use, or after the last call that may resume from it
-    last = {}
-    for i, n in enumerate(nodes):
-        for a in n.all_input_nodes:
-            last[a.name] = i
-    for p in plan.resume:
-        names = [name for *_, name, bits in p.frontier] + [f for *_, bits in p.frontier if bits for f, _ in bits] + [n for _, n in p.results]
-        for name in names:
-            last[name] = max(last.get(name, -1), calls[p.slot])
-    drop = {}
-    for name, i in last.items():
-        drop.setdefault(i, []).append(name)
-    points = {p.slot: p for p in plan.resume}
-    sizes = entry.dynamic.size_inputs if entry.dynamic is not None else ()
-
-    def run(args):
-        env = {}
-        inputs = iter(args)
-        for i, n in enumerate(nodes):
-            if n.op == "placeholder":
-                env[n.name] = next(inputs)
-            elif n.op == "get_attr":
-                env[n.name] = operator.attrgetter(n.target)(gm)
-            elif n.op == "call_function":
-                a, kw = fx.map_arg((n.args, n.kwargs), lambda x: env[x.name])
-                try:
-                    env[n.name] = n.target(*a, **kw)
-                except ResumeHere as stop:
-                    run.resumed = True
-                    return _resume(collected, plan, points[stop.slot], stop, env, args, sizes)
-            elif n.op == "output":
-                return [None if x is None else env[x.name] for x in n.args[0]]
-            else:  # (our graphs have none)
-                raise AssertionError(f"compiled_autograd: a {n.op} node in a traced graph")
-            for name in drop.get(i, ()):
-                env.pop(name, None)
-        raise AssertionError("compiled_autograd: a traced graph without output")
-
-    run.resumable = frozenset(points)
-    run.resumed = False
-    return run
-
-
-def _resume(collected, plan, point: ResumePoint, stop: ResumeHere, env: dict, args, sizes) -> list:
-    """The rest of the backward from `point`'s call, on the real tensors, as eager runs it;
-    the graph's results, laid out as the graph lays them out."""
+def resume_at(entry, collected, stop, args: list) -> list:
+    """The graph's results for a run of `entry` that stopped at a call (`stop`, a ResumeHere):
+    those the graph made before it, and the rest of the backward run from it as eager's engine
+    runs it. `args`: the graph's inputs, None where one was freed (a boxed graph frees each
+    after its last use)."""
     from ..observe.stats import LOCK, STATS
 
+    plan = entry.plan
+    point = next(p for p in plan.resume if p.slot == stop.slot)
+    n = entry.num_inputs
+    dead = [i for i in needed(entry.graph, stop.slot) if i < n and args[i] is None]
+    if dead:
+        raise RuntimeError(
+            f"compiled_autograd: a call returned a {stop.why} other than traced, and the backward cannot go on from it in "
+            f"eager's order: the compiled graph already freed {len(dead)} saved tensors the nodes after it read (inputs "
+            f"{dead[:8]}); its backend moved their last reads before the call (NOTE [A call output not as traced])"
+        )
+    stand_in = torch.empty(0, device="meta")  # (read by no node after the call: any read of it raises)
+    lifted = [stand_in if a is None else a for a in args[:n]]
+    collected = dataclasses.replace(collected, lifted=lifted)
+    env = dict(zip(point.values, stop.values))
     results = [None] * plan.num_results
     for i, name in point.results:
         results[i] = env[name]
@@ -84,16 +47,21 @@ def _resume(collected, plan, point: ResumePoint, stop: ResumeHere, env: dict, ar
             continue  # (undefined at run time: nothing waits there)
         buffers.setdefault(to, [None] * collected.nodes[to].num_inputs)[nr] = Value(env[name])
     env.clear()
+    sizes = entry.dynamic.size_inputs if entry.dynamic is not None else ()
     resumer = Resumer(collected, plan, results, point.n_result_calls, sizes)
-    resumer.go_on(list(args), point, buffers, stop)
+    resumer.go_on(lifted + list(args[n:]), point, buffers, stop)
     with LOCK:
-        STATS.layout_resumes += 1
+        if stop.why == "type":
+            STATS.type_resumes += 1
+        else:
+            STATS.layout_resumes += 1
     return results
 
 
 class Resumer(_BackwardTracer):
-    """The trace's engine loop, run for real from a call on (NOTE [A call output in another layout on a graph's first run], resume.py): calls run as they
-    come and hand back what they returned; results land where the graph's did."""
+    """The trace's engine loop, run for real from a call on (NOTE [A call output not as traced],
+    resume.py): calls run as they come and hand back what they returned; results land where the
+    graph's did."""
 
     def __init__(self, collected, plan, results, n_calls, sizes):
         super().__init__(collected, {i: why for i, _, why in plan.opaque}, sizes)
