@@ -83,8 +83,7 @@ def _mlp(d=64, h=256):
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_a_hook_that_returns_another_layout(backend):
     """A hook returning a transposed-layout grad (issue 36 item 5): the graph's first run stops
-    at the hook and goes on in eager's order (NOTE [A call output in another layout on a
-    graph's first run]): bitwise eager's, where the copy into the traced layout had summed the
+    at the hook and goes on in eager's order (NOTE [A call output not as traced]): bitwise eager's, where the copy into the traced layout had summed the
     bias grad in another order (2.4e-7 off); then captured again in the layout it returns."""
     m = _mlp()
 

@@ -272,7 +272,8 @@ class _OneBackward:
         reason = learned.next_reason(key, reason)
         if self.create_graph:
             mask, reason = None, reason + (" (create_graph=True: static shapes)" if mask else " (create_graph=True)")
-        pkey = diskcache.portable_key(key, collected.sizes) if cfg.disk_cache and mask is None and not self.create_graph else None
+        layouts = LEARNED.layouts.of(key)
+        pkey = diskcache.portable_key(key, collected.sizes, layouts) if cfg.disk_cache and mask is None and not self.create_graph else None
         record = diskcache.load(pkey) if pkey is not None else None
         # NOTE [Compiled graphs loaded without inductor] (compile/package.py): read before anything imports inductor
         slot = diskcache.package_slot(pkey, package.fingerprint(cfg)) if pkey is not None else None
@@ -287,7 +288,6 @@ class _OneBackward:
                 background.mark_when_compiled(entry, diskcache.compiled_marker(pkey, fingerprint), slot)
             pkey = None  # already stored
         else:
-            layouts = LEARNED.layouts.of(key)
             from .capture.entry import capture_and_compile
 
             try:

@@ -432,7 +432,7 @@ class SlotKind(NamedTuple):
     completes_node: bool = False  # eager has applied (and released) node `at` when it runs (NOTE [A backward that raised part way])
     reads_saved: bool = True  # may read saved tensors (NOTE [Saved tensors freed as eager frees them])
     shares_args: bool = True  # what else in the graph reads its arguments is recorded (Slot.shared)
-    resumable: bool = False  # a first run may stop at it (NOTE [A call output not as traced])
+    resumable: bool = False  # a run may stop at it (NOTE [A call output not as traced])
     ordering_args: bool = False  # its arguments only order it: no grad of its is kept by it
     new_grads_go_nowhere: bool = False  # an output where the trace had None is dropped, not an error
     what: str = ""  # how its errors name it ("" : "<kind> of <node>")
@@ -447,9 +447,9 @@ class PackageSlot(NamedTuple):
 
 
 class ResumePoint(NamedTuple):
-    """Where a graph's first run can stop at a call and go on in eager's order (NOTE [A call
-    output in another layout on a graph's first run], capture/resume.py): what the trace held
-    when it made the call, by the names of the graph's nodes that hold it."""
+    """Where a graph's run can stop at a call and go on in eager's order (NOTE [A call output
+    not as traced], capture/resume.py): what the trace held when it made the call, by the names
+    of the graph's nodes that hold it."""
 
     slot: int
     node: int  # the node in whose step the call runs
@@ -462,6 +462,9 @@ class ResumePoint(NamedTuple):
     # the names of the graph values above, in the order the call takes them as its last
     # `Slot.n_resume` arguments (the kernel hands them to ResumeHere)
     values: tuple = ()
+    # an UNPACK call's: (hooked saved tensor, name) per one its node unpacked before it (the
+    # node's formula, resumed, gets them again; the grads entering the node are in `frontier`)
+    unpacked: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -496,9 +499,8 @@ class Plan:
     # create_graph=True: the AccumulateGrad nodes whose leaf's tensor hooks run as their grad is
     # applied, after the graph (NOTE [A leaf's hooks under create_graph], capture/create_graph.py)
     leaf_hooks: tuple = ()
-    # the first run's resume points and, per result the trace made (in its order), (result
-    # index, flag index), -1 for none (NOTE [A call output in another layout on a graph's
-    # first run], capture/resume.py)
+    # the resume points and, per result the trace made (in its order), (result index, flag
+    # index), -1 for none (NOTE [A call output not as traced], capture/resume.py)
     resume: tuple = ()
     result_calls: tuple = ()
     # (result index, SubclassSpec) per result that is a tensor subclass: its inner tensors are

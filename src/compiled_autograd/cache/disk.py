@@ -201,9 +201,10 @@ def _version() -> bytes:
     return h.digest()
 
 
-def portable_key(key, sizes) -> bytes | None:
-    """A byte string naming a static graph -- its key and its sizes -- across
-    processes, or None if it cannot."""
+def portable_key(key, sizes, learned=None) -> bytes | None:
+    """A byte string naming a static graph -- its key, its sizes, and what earlier backwards
+    taught its trace (`learned`: LEARNED.layouts.of(key), the layouts and types its calls'
+    outputs came in) -- across processes, or None if it cannot."""
     if not isinstance(key.backend, str) or key.graph.functions:  # (custom Function nodes: user code)
         return None
     if any(type(e) is tuple and e[:1] in (("W",), ("R",)) for e in key.graph.extra) or any(u.subclass for u in key.graph.in_graph):
@@ -218,6 +219,8 @@ def portable_key(key, sizes) -> bytes | None:
     h.update(repr((key.backend, tuple(str(s) for s in key.global_state), key.opaque, key.create_graph, python_parts)).encode())
     h.update(graph.native)
     h.update(repr(tuple(sizes)).encode())
+    if learned:
+        h.update(repr(sorted(learned.items(), key=repr)).encode())
     return h.digest()
 
 

@@ -18,15 +18,15 @@ always dense (a permutation of a contiguous tensor: a copy into it is exact):
     graph, as its shape is (NOTE [Unpack metadata learned from the last backward],
     nodes/saved_tensors.py), and kept per graph position for other sizes;
   * an opaque node's: contiguous.
-At replay, an output in another layout is copied into the traced one
-(`stats().layout_copies`), and the dense layout it had is remembered for its
-graph and call (nodes/learned.py LEARNED.layouts): that graph is dropped and the next
-backward captures again in those layouts, after which it is bitwise eager's again
-(a few times per graph at most: a hook whose layout changes every step keeps its
-graph and its copies). On a graph's first run the copy is not made: the run stops
-at that call and the backward goes on in eager's order from it (NOTE [A call
-output in another layout on a graph's first run], capture/resume.py). So only a
-backward in which a hook's layout changed after its graph's first run may differ
+At run time, an output in another dense layout stops the graph at that call and
+the backward goes on in eager's order from it (NOTE [A call output not as traced],
+capture/resume.py), as a tensor subclass where the graph has a plain tensor does;
+the layout it had is remembered for its graph and call (nodes/learned.py
+LEARNED.layouts): that graph is dropped and the next backward captures again in
+those layouts (a few times per graph at most: a hook whose layout changes every
+step keeps its graph, and stops it where it changes). Only where a call cannot
+stop its graph, or its layout is no dense one (an expanded grad), is the output
+copied into the traced layout (`stats().layout_copies`): that backward may differ
 from eager in the last bits, counted.
 
 NOTE [Outputs the graph owns]
@@ -57,6 +57,7 @@ import torch
 from ..errors import ResumeHere
 from ..nodes import SLOT_KINDS
 from ..nodes.accumulate import HANDED_OVER
+from ..nodes.saved_tensors import NotAsLearned
 from ..values import REFERENCE, Slot, is_plain, observed_layout
 from .checks import _check_ctx, _check_versions, _hooks_added_error, _shared_modified_error, _still_empty_error
 from .protocol import DEFINEDNESS, DTYPES, DEVICE_TYPES, KEEPS_INPUTS, PASSES_SHIFT, ReplayFrame, decode_meta
@@ -301,7 +302,12 @@ def check_hooks_added(capture, kind, node) -> None:
 def _run_slot(capture, slot, row, node, mask, args, meta, flags, hooks, shared=None, observed=None, values=None, out_specs=(),
               by_ref=None):
     metas = decode_meta(meta)
-    outs = row.run(capture, node, args, mask, metas, hooks, None)
+    try:
+        outs = row.run(capture, node, args, mask, metas, hooks, None)
+    except NotAsLearned as e:  # an unpack hook's: stop here where the call can (NOTE [A call output not as traced])
+        if values is None:
+            raise e.__cause__ from None
+        raise ResumeHere(slot, [e.value], list(args), list(values), "type") from None
     if by_ref is not None:  # NOTE [Values passed by reference] (nodes/references.py): held, a token in the graph
         refs, positions = by_ref
         outs = list(outs) + [None] * (len(mask) - len(outs))

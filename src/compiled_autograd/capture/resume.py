@@ -47,6 +47,7 @@ import torch
 import torch.fx as fx
 
 from ..nodes import SLOT_KINDS
+from ..nodes.saved_tensors import UNPACK
 from ..values import ResumePoint
 
 KINDS = frozenset(k for k, row in SLOT_KINDS.items() if row.resumable)  # calls whose outputs the graph computes on
@@ -54,9 +55,7 @@ KINDS = frozenset(k for k, row in SLOT_KINDS.items() if row.resumable)  # calls 
 
 def resumable(collected) -> bool:
     """Whether the steps of this backward can be run again on real tensors from a call (above)."""
-    if collected.in_graph or collected.unpacked or collected.n_aot:
-        return False
-    return not any(info.flags[2] for info in collected.pynodes.values())  # (torch.compile'd regions)
+    return True
 
 
 # -- at capture: what the trace holds at a call ---------------------------------------------
@@ -75,7 +74,19 @@ def held(tracer, slot: int, kind: str):
             if node is None or (bits is not None and any(b is None for b, _ in bits)):
                 return None
             frontier.append((to, nr, node, bits))
-    return slot, tracer.at, kind, tuple(frontier), len(tracer.result_calls)
+    unpacked = ()
+    if kind == UNPACK:  # in a node's formula: the grads entering it, what it unpacked before
+        for nr, v in enumerate(tracer.node_values or ()):
+            node = None if v is None else _fx_node(v.t)
+            bits = None if v is None or v.bits is None else tuple((_fx_node(f), pos) for f, pos in v.bits)
+            if v is not None and (node is None or (bits is not None and any(b is None for b, _ in bits))):
+                return None
+            if v is not None:
+                frontier.append((tracer.at, nr, node, bits))
+        unpacked = tuple((hid, _fx_node(x)) for hid, x in tracer.unpacked_here.items())
+        if any(n is None for _, n in unpacked):
+            return None
+    return slot, tracer.at, kind, tuple(frontier), len(tracer.result_calls), unpacked
 
 
 def _fx_node(t):
@@ -103,7 +114,7 @@ def points(gm: fx.GraphModule, tracer) -> tuple:
     calls = {n.args[0]: n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.compiled_autograd.call.default}
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     kept = []
-    for slot, at, kind, frontier, n_calls in tracer.resume_points:
+    for slot, at, kind, frontier, n_calls, unpacked in tracer.resume_points:
         call = calls.get(slot)
         if call is None:
             continue
@@ -115,8 +126,9 @@ def points(gm: fx.GraphModule, tracer) -> tuple:
                 break
         else:
             made = [i for rf in tracer.result_calls[:n_calls] for i in rf if i >= 0]
-            if all(before(out[i]) for i in made):
-                kept.append(ResumePoint(slot, at, kind, tuple(named), n_calls, tuple((i, out[i].name) for i in made)))
+            if all(before(out[i]) for i in made) and all(before(n) for _, n in unpacked):
+                kept.append(ResumePoint(slot, at, kind, tuple(named), n_calls, tuple((i, out[i].name) for i in made),
+                                        unpacked=tuple((hid, n.name) for hid, n in unpacked)))
     return tuple(kept)
 
 
@@ -134,6 +146,7 @@ def pass_values(gm: fx.GraphModule, slots: tuple, kept: tuple) -> tuple:
     out = []
     for p in kept:
         names = [name for *_, name, bits in p.frontier] + [f for *_, bits in p.frontier if bits for f, _ in bits] + [n for _, n in p.results]
+        names += [n for _, n in p.unpacked]
         names = tuple(dict.fromkeys(names))
         call = calls[p.slot]
         c = CallArgs.of(call)

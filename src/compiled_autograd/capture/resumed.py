@@ -9,10 +9,13 @@ import dataclasses
 import torch
 
 from ..calls import kernel
+from ..errors import NeedsOpaque
 from ..nodes import SLOT_KINDS
 from ..nodes.grads import Value
 from ..nodes.hooks import POST_HOOKS
 from ..nodes.opaque import NODE
+from ..nodes import saved_tensors
+from ..nodes.saved_tensors import UNPACK
 from .resume import needed
 from .trace import _BackwardTracer
 
@@ -49,6 +52,9 @@ def resume_at(entry, collected, stop, args: list) -> list:
     env.clear()
     sizes = entry.dynamic.size_inputs if entry.dynamic is not None else ()
     resumer = Resumer(collected, plan, results, point.n_result_calls, sizes)
+    resumer.given = {hid: env[name] for hid, name in point.unpacked}
+    if point.kind == UNPACK:  # (the saved tensor the call unpacked: its node's formula takes it as it came)
+        resumer.given[plan.slots[stop.slot].node] = stop.outs[0]
     resumer.go_on(lifted + list(args[n:]), point, buffers, stop)
     with LOCK:
         if stop.why == "type":
@@ -69,6 +75,7 @@ class Resumer(_BackwardTracer):
         self.graph_results = results
         self.calls_left = iter(plan.result_calls[n_calls:])
         self.steal = kernel.input_storages(collected.lifted)
+        self.given: dict = {}  # hooked saved tensor -> its value, unpacked before the stop
 
     def go_on(self, args, point, buffers, stop):
         self.run(args, lambda: self._go_on(args, point, buffers, stop))
@@ -81,6 +88,8 @@ class Resumer(_BackwardTracer):
             self.resumed_inputs = [None if a is None else Value(a) for a in stop.args] if point.kind == NODE else []
         else:  # the grads entering the node, as the hooks returned them
             values = [None if o is None else Value(o) for o in stop.outs]
+        if point.kind == UNPACK:  # (in the node's formula, after its hooks: the grads entering it)
+            values = self.buffers.pop(point.node, [None] * self.nodes[point.node].num_inputs)
         kernel.check_hooks_added(self.capture, point.kind, point.node)
         self._step(point.node, values, args, captured, done=point.kind)
         for idx in range(point.node + 1, len(self.nodes)):
@@ -93,6 +102,28 @@ class Resumer(_BackwardTracer):
         if done is None and torch.is_grad_enabled() != self.capture.grad_mode:
             torch._C._set_grad_enabled(self.capture.grad_mode)
         super()._step(idx, values, args, captured, done)
+
+    def _apply(self, idx, kind, values, args):
+        try:
+            return super()._apply(idx, kind, values, args)
+        except NeedsOpaque:  # (a formula that cannot run so on these tensors: the node itself, as eager runs it)
+            return self._run_node(idx, values, args)
+
+    def _run_node(self, idx, values, args):
+        """Node idx run as is, on the real grads; a custom Function's saved tensors given back
+        from the graph's inputs where a hit released them before its graph ran."""
+        info = self.c.pynodes.get(idx)
+        swap = None
+        if info is not None:
+            from .. import native
+
+            swap = native.load().PyNodeSavedSwap(self.capture.node_object(idx), [args[i] if i >= 0 else None for i in info.saved])
+        try:
+            outs = self.capture.call_node(idx, [None if v is None else v.t for v in values])
+        finally:
+            if swap is not None:
+                swap.restore()
+        return [None if o is None else Value(o) for o in outs]
 
     def _new_result(self, v):
         r, f = next(self.calls_left)
@@ -112,7 +143,10 @@ class Resumer(_BackwardTracer):
         capture = self.capture  # (real tensors: a subclass, or a value held by reference, goes to its call as it is)
         mask = [m is not None for m in out_metas]
         row = SLOT_KINDS[kind]
-        if not row.resumable and not row.accumulates:  # (UNPACK: a graph with one is not resumed)
+        if kind == UNPACK:  # the hook, for real (once: one its node's formula unpacked before is given)
+            given = self.given.pop(node, None)
+            return [given if given is not None else saved_tensors.unpack_now(self.c.hooks, node)], None
+        if not row.resumable and not row.accumulates:
             raise AssertionError(f"compiled_autograd: a {kind} call in a resumed backward")
         outs = row.run(capture, node, list(args), mask, None, None, self.steal)
         kernel.check_hooks_added(capture, kind, node)

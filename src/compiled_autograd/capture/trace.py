@@ -229,7 +229,8 @@ class _BackwardTracer:
         self.sym_sizes = sym
         self.aot_ints = aot_ints
         self.in_graph_metas = saved_tensors.in_graph_metas(c.in_graph, c.hooks, dims)
-        self.node_inputs: list = []  # the grads entering the node being traced
+        self.node_inputs: list = []  # the grads entering the node being traced (their Values: node_values)
+        self.node_values, self.unpacked_here = [], {}  # (and what it unpacked so far: resume.held)
         self.unconsumed: list = []  # graph results (grads for AccumulateGrad or grad()) since the last unpack call
         if c.wrappers:  # each lifted subclass rebuilt over its inner tensors' fakes (docs/design/subclasses.md section 2)
             args = list(args)

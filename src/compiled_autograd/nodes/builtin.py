@@ -78,7 +78,7 @@ def trace(t, idx, values, args):
         t.opaque_extra[idx] = "a grad that may be None at run time, beside others"
         return opaque.trace(t, idx, values)
     try:
-        t.node_inputs = tensors
+        t.node_inputs, t.node_values, t.unpacked_here = tensors, values, {}
         return t.capture.apply_node(idx, tensors)
     except Exception as e:
         # a formula that cannot run on fake tensors (data-dependent output

@@ -35,8 +35,9 @@ it (copying it instead ran the subclass's own clone, which a test's ScaledTensor
 gets wrong).
 So a nested tensor runs its nodes opaquely, each, and what is plain around them
 (a Linear's weight and bias grads) is compiled; never a whole-backward fallback.
-A graph's first run does not stop at a call once values are held (NOTE [A call
-output in another layout on a graph's first run]); create_graph has no calls.
+A graph does not stop at a call once values are held (NOTE [A call output not as
+traced], capture/resume.py): a later call's other layout is copied, another type
+raises; create_graph has no calls.
 """
 
 from __future__ import annotations

@@ -94,8 +94,9 @@ def unpack_in_graph(t, hid: int):
     if isinstance(meta, SubclassMetas):  # NOTE [Unpacked tensor subclasses]: its inner tensors, rebuilt
         (t,), _ = t._call(UNPACK, hid, after, meta.inner, out_specs=((0, meta.spec),))
         return t
-    (t,), _ = t._call(UNPACK, hid, after, [meta])
-    return t
+    (x,), _ = t._call(UNPACK, hid, after, [meta])
+    t.unpacked_here[hid] = x  # (a backward resumed at a later unpack in this node gets it again: resume.held)
+    return x
 
 
 class SubclassMetas(NamedTuple):
@@ -223,7 +224,7 @@ def unpack(hook, packed):
     t = hook(packed)
     if not isinstance(t, torch.Tensor):
         raise TypeError(
-            f"Output of saved tensor unpack_hook expected to be a Tensor but got result of type {type(t)}"
+            f"Output of saved tensor unpack_hook expected to be a Tensor but got result of type {type(t).__name__}"
         )
     return t
 
@@ -239,14 +240,34 @@ def _run(capture, node, args, mask, metas, hooks, steal):
     del pair
     outs = [unpack(hook, packed)]
     del hook, packed
-    if learned is not None:  # (a subclass: returned as it is, flattened by the kernel, Slot.out_specs)
-        LEARNED.unpacks.check(learned, outs[0], metas, subclass.spec if subclass is not None else None)
+    if learned is not None and metas is not None:  # (a subclass: returned as it is, flattened by the kernel, Slot.out_specs)
+        try:
+            LEARNED.unpacks.check(learned, outs[0], metas, subclass.spec if subclass is not None else None)
+        except RuntimeError as e:  # (where the call can stop the graph, it does: NOTE [A call output not as traced])
+            raise NotAsLearned(outs[0]) from e
     return outs
+
+
+def unpack_now(hooks, hid):
+    """Hooked saved tensor `hid` unpacked by its hook, once, as eager's node unpacks it (a backward
+    resumed in eager's order: NOTE [A call output not as traced], capture/resume.py)."""
+    pair, hooks[hid] = hooks[hid], None
+    if pair is None:
+        raise RuntimeError("compiled_autograd: a saved tensor was unpacked twice by one backward")
+    return unpack(pair[0], pair[1])
+
+
+class NotAsLearned(RuntimeError):
+    """An unpack hook returned other than what the graph was traced with (`value`)."""
+
+    def __init__(self, value):
+        super().__init__("not as learned")
+        self.value = value
 
 
 # its arguments only order it (what must be computed before it); its output, a tensor the
 # hook made, has no grad of a node in it
 SLOT_KINDS = (
     SlotKind(UNPACK, FAMILY, _run, reads_saved=False, shares_args=False, ordering_args=True, new_grads_go_nowhere=True,
-             what="the unpack hook of a saved tensor"),
+             what="the unpack hook of a saved tensor", resumable=True),
 )
