@@ -363,8 +363,11 @@ _op = None  # torch.ops.compiled_autograd.call.default, once installed (calls/__
 
 def _fast_path() -> bool:
     """Whether a call can skip the dispatcher's way to the kernel: grad mode off and no
-    dispatch mode (a trace) active, as when a compiled graph runs."""
-    return not torch.is_grad_enabled() and torch._C._len_torch_dispatch_stack() == 0
+    dispatch mode (a trace) active, as when a compiled graph runs; or grad mode on where the
+    running graph is a create_graph one (NOTE [create_graph with an opaque node], replay/run.py):
+    what the call returns then keeps the history its node built."""
+    return torch._C._len_torch_dispatch_stack() == 0 and (
+        not torch.is_grad_enabled() or bool(_replay.stack and _replay.stack[-1].capture.grad_mode))
 
 
 def call_at_autograd(slot, args, meta, flags):

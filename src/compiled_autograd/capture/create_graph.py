@@ -54,6 +54,13 @@ backward is observable to them that eager would show otherwise: no other hook or
 opaque node runs (those fall back), and only AccumulateGrad writes a `.grad`, in
 the same order. A leaf's hooks when `inputs=` captures its grad instead
 (`torch.autograd.grad`) are still a call in the graph: that falls back.
+
+A user's backend's code may write into a grad it handed over, so AccumulateGrad in its graph
+copies (NOTE [Stealing a fresh grad], nodes/accumulate.py), where eager steals. Where the leaves
+whose hooks are their own come last in engine order -- no node but an AccumulateGrad after them,
+so nothing of the graph computes after their hooks, which may change what it reads -- their
+grads are results too, and AccumulateGrad takes each after the graph, stealing where eager does
+(torch's test_accumulate_grad_polyfill_case_1_1 through a user's compiler_fn).
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from ..nodes import FAMILIES
 from ..replay.differentiable import Vjp, engine_vjp
 
 
@@ -239,3 +247,21 @@ def _split(gm: fx.GraphModule, n_results: int):
     return fw, bw, len(saved)
 
 
+
+
+def leaf_hooks_only(n) -> bool:
+    """Whether node row `n` is an AccumulateGrad that the backward runs whose hooks are its leaf's
+    tensor hooks and post-accumulate-grad hooks only (NOTE [A leaf's hooks under create_graph])."""
+    on = n.hooks
+    return FAMILIES[n.kind].leaf and n.execute and not (on.retains or on.pre or on.post)
+
+
+def late_leaf_hooks(nodes, create_graph: bool, user_backend: bool) -> bool:
+    """Whether the leaves' hooks run as their grads are applied, after the graph (NOTE [A leaf's
+    hooks under create_graph]): under create_graph, where every hook is a leaf's own; for a user's
+    backend, where those leaves also come after every other node the backward runs."""
+    hooked = [i for i, n in enumerate(nodes) if n.hooks.any]
+    if not all(leaf_hooks_only(nodes[i]) for i in hooked) or not (create_graph or user_backend):
+        return False
+    last = max((i for i, n in enumerate(nodes) if n.execute and not FAMILIES[n.kind].leaf), default=-1)
+    return create_graph or all(i > last for i in hooked)

@@ -25,7 +25,8 @@ from .create_graph import split_joint
 from ..errors import NotTwiceDifferentiable
 from .fakes import guards_of
 from .stored import described_fakes, unpacked_up_front
-from .trace import capture_backward, leaf_hooks_only
+from .create_graph import leaf_hooks_only
+from .trace import capture_backward
 
 log = logging.getLogger("compiled_autograd")
 
@@ -37,13 +38,6 @@ def create_graph_unsupported(collected) -> str | None:
     for n in collected.nodes:
         if n.hooks.any and not leaf_hooks_only(n):  # NOTE [A leaf's hooks under create_graph]
             return "create_graph=True with hooks"
-        if n.opaque:
-            return "create_graph=True with an opaque node"
-    if any(info.opaque_reason for info in collected.pynodes.values()):
-        return "create_graph=True with an opaque node"
-    other = builtin.other_path(collected, True)  # NOTE [Formulas that take another path when traced]
-    if other:
-        return f"create_graph=True with a node that runs opaquely: {next(iter(other.values()))}"
     return None
 
 
@@ -78,12 +72,13 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
     # [A compiled graph's outputs are checked on its first run]): no ops to run for real then
     live = background or cfg.backend == "eager"
     try:
-        captured = in_graph_task(lambda: capture_backward(collected, cfg.opaque, mask, history, create_graph, layouts, live))
+        late = not may_steal(cfg.backend)  # (a user's backend: leaves whose hooks alone are called accumulate after it)
+        captured = in_graph_task(lambda: capture_backward(collected, cfg.opaque, mask, history, create_graph, layouts, live, late))
     except NotTwiceDifferentiable as e:
         raise Fallback(f"create_graph=True through a node eager cannot differentiate twice ({e})") from e
-    if create_graph and captured.plan.slots:
-        raise Fallback("create_graph=True with an opaque node")
-    if captured.results is None and not create_graph:
+    # NOTE [create_graph with an opaque node] (replay/run.py): the traced graph runs in grad mode, not compiled
+    in_grad_mode = create_graph and bool(captured.plan.slots)
+    if captured.results is None:
         # (a live record's results are this backward's: it ran; it makes no node opaque)
         unseen = LEARNED.layouts.unlearned_opaque(key, [o for o in captured.plan.opaque if _untraced_user_function(collected, *o)])
         if unseen:  # NOTE [Nodes made opaque by their trace] (cache/learned.py)
@@ -91,7 +86,9 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
     vjp, how = None, None
     if create_graph:
         how = "no result requires grad: applied in grad mode, nothing to differentiate"
-    if create_graph and any(captured.plan.differentiable):
+    if in_grad_mode:
+        how = "an opaque node: the traced graph runs in grad mode, eager's kernels recording their history"
+    elif create_graph and any(captured.plan.differentiable):
         try:
             split = in_graph_task(lambda: split_joint(captured.graph, captured.example_inputs, captured.plan.differentiable))
         except Exception:  # the second order then reruns the graph: slower, as right
@@ -108,8 +105,8 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
     what = f"compiling a {'dynamic ' if is_dynamic else ''}backward graph of {len(names)} nodes with {cfg.backend_name}"
     # (read before the backend sees the graph: it may rewrite it)
     expected = expected_outputs(captured.graph, *((collected, captured.size_inputs) if is_dynamic else ()))
-    if background:
-        fn = captured.graph  # replay the traced graph as is until the compiled one is ready
+    if background or in_grad_mode:
+        fn = captured.graph  # replay the traced graph as is until the compiled one is ready (or for good)
     else:
         with compile_status(what):
             fn = backends.compile_graph(cfg.backend, captured.graph, _example_inputs(captured, collected), dynamic=is_dynamic, patches=cfg.inductor_patches)
@@ -130,8 +127,8 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
         dynamic=dynamic_of(captured, collected.sizes) if is_dynamic else None,
         nodes=nodes,
         node_keys=node_keys(collected.capture),
-        compiled=not background,
-        compiling=background,
+        compiled=not background and not in_grad_mode,
+        compiling=background and not in_grad_mode,
         vjp=vjp,
         expected=expected,
     )
@@ -152,7 +149,7 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
              **unpacked_up_front(collected))
     )
     log.info("captured %d nodes (%s): trace %.2fs, compile %.2fs", len(names), reason, t1 - t0, t2 - t1)
-    if background:
+    if background and not in_grad_mode:
         # (the trace's own fakes: static ones for a static graph, in a mode with a ShapeEnv,
         # with no reference to the user's tensors; making them again took 70 ms of the
         # transformer's first backward. A live record made none: the compile's thread makes

@@ -55,6 +55,7 @@ from ..observe.stats import LOCK, STATS
 from .fakes import fake_inputs
 from .record import Recorder, record
 from ..nodes.grads import Value, defined, sum_grads, union_bits
+from .create_graph import late_leaf_hooks
 from . import resume, subclass_calls
 from .lint import lint
 from .passes import mark_fresh_grads, mark_shared_args, passable_inputs, releases, reorder_for_calls, version_checked_inputs
@@ -65,7 +66,7 @@ MAX_OPAQUE_RETRIES = 16  # traces of one backward, each making one more node opa
 
 
 class _BackwardTracer:
-    def __init__(self, collected: Collected, opaque_extra: dict[int, str], size_inputs=(), layouts=None, create_graph=False):
+    def __init__(self, collected: Collected, opaque_extra: dict[int, str], size_inputs=(), layouts=None, create_graph=False, late=False):
         self.c = collected
         self.layouts = layouts or {}  # (slot, output) -> dim order seen at run time (_layout)
         self.size_inputs = tuple(size_inputs)
@@ -78,10 +79,11 @@ class _BackwardTracer:
         self.ctx_checks: dict = {}  # slot -> custom Function nodes whose ctx is checked after it
         self.results: list = []
         self.accumulate: list = []
-        # create_graph=True: a leaf's own hooks run as its grad is applied, after the graph
-        # (NOTE [A leaf's hooks under create_graph], capture/create_graph.py)
+        # create_graph=True, or a user's backend, whose code may write into a grad it handed over
+        # (`late`): a leaf's own hooks run as its grad is applied, after the graph, where
+        # AccumulateGrad may steal it (NOTE [A leaf's hooks under create_graph], capture/create_graph.py)
         self.leaf_hooks: list = []
-        self.late = create_graph and all(not n.hooks.any or leaf_hooks_only(n) for n in self.nodes)
+        self.late = late_leaf_hooks(self.nodes, create_graph, late)
         # NOTE [A call output not as traced] (capture/resume.py)
         self.result_calls: list = []  # (result index, flag index) per _result, in order
         self.resume_points: list = []  # what the trace held at each call the first run may stop at
@@ -291,7 +293,7 @@ class _BackwardTracer:
             if leaf and self.in_graph_accumulate and (on.tensor_pre or on.retains) and not on.pre and not on.post:
                 v = values[0]
                 hooked = v if v is not None and v.bits is None else None
-            if leaf and self.late and on.tensor_pre:
+            if leaf and self.late and not self.in_graph_accumulate and on.tensor_pre:
                 self.leaf_hooks.append(idx)  # (called as its grad is applied)
             elif (on.tensor_pre or on.retains) and hooked is None:
                 values = hooks.call(self, hooks.TENSOR_PRE_HOOKS, idx, values)
@@ -378,7 +380,7 @@ def capture_backward(*args, **kwargs) -> Captured:
 
 
 def _capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, history=(), create_graph=False, layouts=None,
-                      live: bool = False) -> Captured:
+                      live: bool = False, late: bool = False) -> Captured:
     """Trace the whole backward (symbolic where `mask` says; `history`: the
     sizes of earlier backwards of this key); nodes that cannot be traced
     become opaque. With `create_graph`, the formulas run in grad mode, as the
@@ -399,7 +401,7 @@ def _capture_backward(collected: Collected, opaque_names: tuple = (), mask=None,
             if captured is not None:
                 return captured
         mode, shape_env, fakes, symints, size_inputs, real_mask = fake_inputs(collected, mask, history)
-        tracer = _BackwardTracer(collected, opaque_extra, size_inputs, layouts, create_graph)
+        tracer = _BackwardTracer(collected, opaque_extra, size_inputs, layouts, create_graph, late)
         out: dict[str, Any] = {}
 
         def backward_graph(*args):
@@ -481,13 +483,6 @@ def _plan(gm, tracer, collected, captured, differentiable, num_results) -> Plan:
 # (NOTE [Recording on the real tensors])
 RECORD = config.RECORD.on()
 LIVE = config.RECORD_LIVE.on()
-
-
-def leaf_hooks_only(n) -> bool:
-    """Whether node row `n` is an AccumulateGrad that the backward runs whose hooks are its leaf's
-    tensor hooks and post-accumulate-grad hooks only (NOTE [A leaf's hooks under create_graph])."""
-    on = n.hooks
-    return FAMILIES[n.kind].leaf and n.execute and not (on.retains or on.pre or on.post)
 
 
 def _all_built_in(collected) -> bool:

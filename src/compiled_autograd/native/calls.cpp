@@ -124,7 +124,7 @@ std::vector<std::optional<at::Tensor>> Applier::call_node(
     size_t idx,
     const std::vector<std::optional<at::Tensor>>& inputs) {
   auto& fn = g_.nodes_.at(idx).fn;
-  at::NoGradGuard no_grad;
+  at::AutoGradMode grad_mode(g_.grad_mode); // the engine's: create_graph (NOTE [create_graph with an opaque node])
   variable_list in = to_variables(inputs);
   variable_list outs = without_gil([&] { return (*fn)(std::move(in)); });
   return tracer_.validate(idx, from_variables(outs));
@@ -137,12 +137,12 @@ std::vector<std::optional<at::Tensor>> Applier::call_node(
 // it may steal as eager's does; else the graph's own tensor, which it copies (NOTE
 // [Stealing a fresh grad] in nodes/accumulate.py). One call, no Python tensor made for the new one.
 void Applier::accumulate_graph_grad(size_t idx, const at::Tensor& grad, bool hooked, const StorageSet* inputs) {
-  at::Tensor given = (inputs != nullptr && !inputs->contains(grad)) ? grad.detach() : grad;
+  at::Tensor given = (inputs != nullptr && !g_.grad_mode && !inputs->contains(grad)) ? grad.detach() : grad; // (create_graph: its history kept)
   if (hooked) {
     hooked_accumulate_tensor(idx, std::move(given));
     return;
   }
-  at::NoGradGuard no_grad;
+  at::AutoGradMode grad_mode(g_.grad_mode); // the engine's: create_graph (AccumulateGrad clones under it)
   variable_list in;
   in.emplace_back(std::move(given));
   without_gil([&] { return (*g_.nodes_.at(idx).fn)(std::move(in)); });
@@ -164,7 +164,7 @@ void Applier::hooked_accumulate_tensor(size_t idx, at::Tensor grad) {
     if (values.empty() || !values[0].defined()) {
       return 0;
     }
-    at::NoGradGuard no_grad;
+    at::AutoGradMode grad_mode(g_.grad_mode);
     (*fn)(std::move(values));
     return 0;
   });

@@ -28,7 +28,7 @@ def run_graph(entry: CompiledBackward, capture, lifted, extra, hooks, releases=(
     held = [(("lifted", i), lifted[i]) for i in entry.plan.held] if entry.plan.held else None
     if entry.plan.stand_ins:
         stand_in(lifted, entry.plan.stand_ins)
-    if entry.plan.differentiable is not None and any(entry.plan.differentiable):
+    if entry.plan.differentiable is not None and not entry.plan.slots and any(entry.plan.differentiable):
         with torch.enable_grad():  # the engine's grad mode under create_graph
             outs = list(DifferentiableGraph.apply(entry, extra, *lifted))
         return _fresh_leaves(outs, entry.plan.differentiable)
@@ -59,7 +59,8 @@ def run_graph(entry: CompiledBackward, capture, lifted, extra, hooks, releases=(
         frame = kernel.replaying(capture, entry.plan.slots, hooks, steal, entry.steals, versions, ctx, after, observed,
                                 dict(held) if held else None)
         try:
-            with frame, torch.no_grad():
+            # NOTE [create_graph with an opaque node]: the traced graph in grad mode, as eager's engine runs
+            with frame, torch.set_grad_enabled(entry.plan.differentiable is not None):
                 try:
                     outs = list(entry(args))
                 except ResumeHere as stop:
@@ -162,7 +163,7 @@ def apply(entry: CompiledBackward, capture, results: list):
         hooked = set(plan.leaf_hooks)
         for node, r in acc:
             if node in hooked:
-                with torch.enable_grad():
+                with torch.set_grad_enabled(capture.grad_mode):
                     results[r] = capture.call_tensor_pre_hooks(node, [results[r]])[0]
             capture.apply_results(results, [(node, r)], [])
         acc = []
@@ -195,3 +196,17 @@ class GCPause:
         if self.paused:
             self.paused = False
             gc.enable()
+
+
+# NOTE [create_graph with an opaque node]
+# Under create_graph=True a graph is differentiated again, which its compiled code cannot be
+# through a call: what an opaque node computes (a user's backward) has no formula the graph
+# knows. So a create_graph backward with an opaque node (a custom Function whose backward cannot
+# be traced on fakes, a C++ node) runs its traced graph as it is, for real, in grad mode, as
+# eager's engine runs the nodes then: each aten op of the formulas records its own history, and
+# the call runs the node in grad mode (GraphCapture.call_node; the kernel is called directly,
+# calls/kernel.py _fast_path), so what it returns carries the history its backward built. The
+# results require grad where eager's do, and a backward through them is autograd's over the
+# same ops (the first order bitwise; the second within the create_graph contract). Not compiled:
+# such a graph is a cache hit that runs eager's kernels. Hooks other than a leaf's still run the
+# backward in eager (capture/entry.py create_graph_unsupported).
