@@ -318,8 +318,9 @@ def test_dump_writes_code_and_pictures(tmp_path):
     files = ca.dump(tmp_path)
     names = sorted(p.rsplit("/", 1)[-1] for p in files)
     assert names == ["graph_0.dot", "graph_0.py", "graph_0.svg", "graph_0.txt"]
-    code = (tmp_path / "graph_0.py").read_text()
-    assert "f32[3, 4]" in code and "compiled_autograd.call" in code
+    described = (tmp_path / "graph_0.txt").read_text()  # (the code with its shapes; graph_0.py runs it: tests/test_repro.py)
+    assert "f32[3, 4]" in described and "compiled_autograd.call" in described
+    assert "compiled_autograd.call" in (tmp_path / "graph_0.py").read_text()
     svg = (tmp_path / "graph_0.svg").read_text()
     assert "ExpBackward0" in svg and "tensor hooks" in svg
 

@@ -384,7 +384,7 @@ def test_explain_and_dump_show_the_split(tmp_path):
     _parity(_gradient_penalty_step(_critic(), second_in_scope=False), "eager")
     assert "create_graph: 1 differentiable results; the graph also returns" in ca.explain()
     files = ca.dump(tmp_path)
-    code = open(next(f for f in files if f.endswith("graph_0.py"))).read()
+    code = open(next(f for f in files if f.endswith("graph_0.txt"))).read()
     assert "its vjp graph" in code and "tangents_1" in code
 
 

@@ -227,11 +227,14 @@ def graphs() -> list:
 
 
 def dump(path) -> list[str]:
-    """Write every cached graph to `path`: the captured FX graph as readable Python with shapes
-    (graph_<i>.py), how it was captured (graph_<i>.txt), and a picture of the backward graph
-    (graph_<i>.svg, plus .dot) with node kinds, opaque nodes and hooks marked. Returns the
-    files written."""
-    return _explain.dump(CACHE.entries(), path)
+    """Write every cached graph to `path`: a script that runs it and compares a backend with
+    its eager run (graph_<i>.py: `python graph_0.py --backend inductor`; NOTE [A graph you can
+    run]), how it was captured and its code with shapes (graph_<i>.txt), and a picture of the
+    backward graph (graph_<i>.svg, plus .dot) with node kinds, opaque nodes and hooks marked.
+    Returns the files written."""
+    from .compile import repro
+
+    return _explain.dump(CACHE.entries(), path, repro.write)
 
 
 def reset() -> None:

@@ -55,8 +55,10 @@ FINISH_AFTER_EXIT = EnvVar("COMPILED_AUTOGRAD_FINISH_AFTER_EXIT", "300", "second
                            "may go on after it (0: stopped at exit; NOTE [A compile finished after exit])")
 SUBCLASSES = EnvVar("COMPILED_AUTOGRAD_SUBCLASSES", "1", "0: a backward with a traceable wrapper subclass (DTensor, a user's) "
                    "runs in eager autograd, instead of its subclasses flattened and traced through (docs/design/subclasses.md)")
+REPRO_DIR = EnvVar("COMPILED_AUTOGRAD_REPRO_DIR", "", "where the script of a graph whose backend failed is written (default: "
+                  "<temp dir>/compiled_autograd_repro; NOTE [A graph you can run], compile/repro.py)")
 ENVIRONMENT = (DISK_CACHE, GRAPH_DIR, GRAPH_DIR_MAX_BYTES, CACHE_DIR, XDG_CACHE_HOME, LOG, RECORD, RECORD_LIVE, LINT, UNTESTED_TORCH,
-               COMPILE_NICE, EXIT_WAIT, COMPILE_PROCESS, CHILD_NICE, COMPILE_AFTER, COMPILE_SHARE, FINISH_AFTER_EXIT, SUBCLASSES)
+               COMPILE_NICE, EXIT_WAIT, COMPILE_PROCESS, CHILD_NICE, COMPILE_AFTER, COMPILE_SHARE, FINISH_AFTER_EXIT, SUBCLASSES, REPRO_DIR)
 
 
 @dataclass(frozen=True)

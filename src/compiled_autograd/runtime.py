@@ -22,7 +22,7 @@ from .cache import disk as diskcache
 from .cache import learned
 from .cache.dynamic import plan_capture
 from .replay.entries import CACHE
-from .compile import background, child, package, share
+from .compile import background, child, package, repro, share
 from .config import Config
 from .errors import BackendOutputError, CompiledAutogradError, Fallback, LearnLayouts, OpaqueSubclasses
 from .observe import captures, reasons
@@ -419,7 +419,11 @@ class _OneBackward:
         """Apply the results with eager semantics, free the graph, return grad()'s results."""
         entry, capture = self.entry, self.capture
         if not entry.checked and not self.recorded:  # NOTE [A compiled graph's outputs are checked on its first run] (replay/validate.py)
-            check_outputs(self.key, entry, capture, results, self.collected.sizes)
+            try:
+                check_outputs(self.key, entry, capture, results, self.collected.sizes)
+            except BackendOutputError as e:  # NOTE [A graph you can run]: the file that shows it, named in the error
+                path = repro.write_failed(entry)
+                raise BackendOutputError(f"{e} A script that reproduces it: {path}") if path is not None else e from None
         if entry.plan.opaque:
             with LOCK:
                 STATS.opaque_nodes += len(entry.plan.opaque)

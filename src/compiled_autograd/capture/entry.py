@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import logging
 import time
+from types import SimpleNamespace
 from typing import NamedTuple
 
 from ..replay.entries import CompiledBackward, Dynamic
 from ..compile.background import compile_in_background
-from ..compile import backends
+from ..compile import backends, repro
 from ..compile.backends import may_steal
 from ..config import Config
 from ..nodes import builtin, compiled_region
@@ -108,8 +109,7 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
     if background or in_grad_mode:
         fn = captured.graph  # replay the traced graph as is until the compiled one is ready (or for good)
     else:
-        with compile_status(what):
-            fn = backends.compile_graph(cfg.backend, captured.graph, _example_inputs(captured, collected), dynamic=is_dynamic, patches=cfg.inductor_patches)
+        fn = _compile_now(cfg, captured, collected, reason, what, is_dynamic)
     t2 = time.perf_counter()
     nodes = tuple(NodeSummary(n.name, n.kind, n.hooks, opaque_reason_of(captured.plan, i), n.edges) for i, n in enumerate(collected.nodes))
     entry = CompiledBackward(
@@ -157,6 +157,23 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
         example = described_fakes(collected.lifted) if first is not None else captured.example_inputs
         compile_in_background(cfg, key, entry, example, what, logged, lambda: dynamic_of(captured, entry.sizes))
     return Miss(entry, first)
+
+
+def _compile_now(cfg: Config, captured, collected, reason: str, what: str, is_dynamic: bool):
+    """The backend's compile of the captured graph; where it raises, a script that reproduces it
+    is written and named with the error (NOTE [A graph you can run], compile/repro.py)."""
+    example = _example_inputs(captured, collected)
+    try:
+        with compile_status(what):
+            return backends.compile_graph(cfg.backend, captured.graph, example, dynamic=is_dynamic, patches=cfg.inductor_patches)
+    except Exception as e:
+        failed = SimpleNamespace(graph=captured.graph, node_names=tuple(n.name for n in collected.nodes), reason=reason,
+                                 backend=cfg.backend_name, inputs=None)
+        path = repro.write_failed(failed, None if is_dynamic else example)
+        if path is not None:
+            e.add_note(f"compiled_autograd: a script that reproduces it: {path}")
+            log.warning("backend %s failed to compile a backward graph; a script that reproduces it: %s", cfg.backend_name, path)
+        raise
 
 
 def _example_inputs(captured, collected):

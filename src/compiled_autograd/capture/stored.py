@@ -62,6 +62,7 @@ def entry_from_disk(cfg: Config, collected, key, record, reason: str, warm: bool
         compiled=not background,
         compiling=background,
         expected=expected,
+        inputs=described_fakes(collected.lifted),
     )
     with LOCK:
         STATS.disk_hits += 1

@@ -179,7 +179,10 @@ def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, wh
             with LOCK:
                 STATS.compile_failures += 1
             if not exiting():
-                log.warning("background compile failed, the traced graph stays in use: %s", e, exc_info=True)
+                from . import repro  # NOTE [A graph you can run]
+
+                log.warning("background compile failed, the traced graph stays in use: %s (a script that reproduces it: %s)", e,
+                            repro.write_failed(entry), exc_info=True)
             else:  # torch's executors refuse work, its modules are torn down under the compile
                 log.debug("background compile ended by the interpreter's exit: %s", e)
         finally:

@@ -118,24 +118,23 @@ def summarise_guards(source: str | None) -> str:
 
 # -- dump ----------------------------------------------------------------------------
 
-def dump(entries: list, path) -> list[str]:
-    """Write every cached graph (`entries`) to `path`: the captured FX graph as readable
-    Python with shapes (graph_<i>.py), how it was captured (graph_<i>.txt),
-    and a picture of the backward graph (graph_<i>.svg, plus .dot) with node
-    kinds, opaque nodes and hooks marked. Returns the files written."""
+def dump(entries: list, path, script) -> list[str]:
+    """Write every cached graph (`entries`) to `path`: a script that runs it (graph_<i>.py,
+    `script(entry, file)`: NOTE [A graph you can run], compile/repro.py), how it was captured,
+    with the graph's code and shapes (graph_<i>.txt), and a picture of the backward graph
+    (graph_<i>.svg, plus .dot) with node kinds, opaque nodes and hooks marked. Returns the
+    files written."""
     os.makedirs(path, exist_ok=True)
     written = []
     for i, e in enumerate(entries):
         base = os.path.join(path, f"graph_{i}")
-        with open(base + ".py", "w") as f:
-            f.write(f"# compiled_autograd graph {i}: {len(e.node_names)} autograd nodes, backend {e.backend}\n")
-            f.write(f"# {e.reason}\n")
-            f.write(e.graph.print_readable(print_output=False))
+        script(e, base + ".py")
+        with open(base + ".txt", "w") as f:
+            f.write(_describe_entry(e))
+            f.write("\n" + e.graph.print_readable(print_output=False))
             if e.vjp is not None:
                 f.write("\n# its vjp graph (create_graph=True: the backward of this graph's results)\n")
                 f.write(e.vjp.graph.print_readable(print_output=False))
-        with open(base + ".txt", "w") as f:
-            f.write(_describe_entry(e))
         dot = _dot(e)
         with open(base + ".dot", "w") as f:
             f.write(dot)

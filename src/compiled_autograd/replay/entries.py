@@ -79,6 +79,9 @@ class CompiledBackward:
     # entry's fn has run once and passed (not copied by dataclasses.replace: a background
     # compile's entry is checked again)
     expected: Any = field(default=None, compare=False, repr=False)
+    # the inputs' geometry where the graph's placeholders lack it (one loaded from the disk
+    # cache): a callable giving fakes of them (NOTE [A graph you can run], compile/repro.py)
+    inputs: Any = field(default=None, compare=False, repr=False)
     checked: bool = field(default=False, init=False, compare=False, repr=False)
 
     def __call__(self, args: list):
