@@ -1,4 +1,4 @@
-"""Hook and node calls on a hit run in the native helper, without Python's _run_call, and
+"""Hook and node calls on a hit run in the native helper, without Python's call, and
 check what it checks (NOTE [Calls in the helper]); its replay frames are per thread.
 """
 
@@ -18,14 +18,14 @@ from helpers import EXACT_BACKENDS, INDUCTOR, assert_grads_equal, leaf, observe,
 
 @contextlib.contextmanager
 def _python_calls():
-    """The slots of the calls from compiled code that reach Python's _run_call (NOTE [Calls
+    """The slots of the calls from compiled code that reach Python's call (NOTE [Calls
     in the helper]: only unpack calls and calls off the fast path should)."""
     native = kernel.native_calls()
     calls = []
 
     def counting(*args):
         calls.append(args[0])
-        return kernel._run_call(*args)
+        return kernel.call(*args)
 
     kernel.install_native(native, counting)
     try:
@@ -38,7 +38,7 @@ def _python_calls():
 def test_leaf_calls_run_in_the_helper_and_check_what_python_checks(backend):
     # NOTE [Calls in the helper]: on a hit, a hooked leaf's call and a leaf's
     # AccumulateGrad call (in the graph for its post-accumulate hook) do not go through
-    # Python's _run_call, and still check what it checks: a leaf's hook that changes a saved
+    # Python's call, and still check what it checks: a leaf's hook that changes a saved
     # tensor of a node not yet run gets eager's version-counter error
     def run(compiled, step):
         torch.manual_seed(0)
@@ -86,7 +86,7 @@ def test_leaf_calls_run_in_the_helper_and_check_what_python_checks(backend):
 def test_hook_and_node_calls_run_in_the_helper(backend):
     # NOTE [Calls in the helper]: tensor hooks on activations (one keeps what it returns),
     # a module's full backward hook (its pre- and post-hook calls) and an opaque node run
-    # without Python's _run_call, and every hook observes what it observes in eager
+    # without Python's call, and every hook observes what it observes in eager
     kept = []
 
     def build(log, step):
@@ -178,3 +178,23 @@ def test_hooks_called_from_a_graph_see_no_python_object_in_the_thread_local_stat
     assert (s.captures, s.hits, s.eager_fallbacks) == (1, 1, 0), s
     (w * x).sum().backward()  # eager's engine does stash it (what this test guards against)
     assert seen[-1] is True
+
+
+def test_the_helper_reads_the_call_tuples_by_field_name():
+    """NOTE [Calls in the helper]: the native helper finds each field of values.Slot,
+    protocol.ReplayFrame and values.SlotKind by its name, given when it is installed: a renamed
+    field is refused at once, by name, never read from another position."""
+    from collections import namedtuple
+
+    from compiled_autograd.values import Slot
+
+    native = kernel.native_calls()
+    renamed = namedtuple("Slot", [f if f != "n_resume" else "resume_count" for f in Slot._fields])
+    table = kernel._native_table(None)
+    try:
+        with pytest.raises(RuntimeError, match="reads a field 'n_resume'"):
+            native.install_calls({**table, "slot_fields": renamed._fields})
+        reordered = tuple(reversed(Slot._fields))
+        native.install_calls({**table, "slot_fields": reordered})  # (any order: by name)
+    finally:
+        kernel.install_native(native)

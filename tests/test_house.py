@@ -196,9 +196,36 @@ def _cpp_classes(source: str):
         yield m.group(1), source[m.start() : i].count("\n") + 1
 
 
+_NOT_DEFINITIONS = {"if", "for", "while", "switch", "return", "else", "catch", "do", "sizeof", "case", "new", "delete", "throw"}
+
+
+def _cpp_functions(source: str):
+    """(name, lines) of each C++ function or method defined (a return type, a name, its
+    parameters, then its body), at any indentation: inside a class too."""
+    for m in re.finditer(r"^[ \t]*((?:[\w:<>,*&~]+[ \t]+)*?)([\w:~]+)[ \t]*\(", source, re.M):
+        name = m.group(2)
+        if name.split("::")[-1] in _NOT_DEFINITIONS or (not m.group(1).strip() and "::" not in name and name != "PYBIND11_MODULE"):
+            continue  # (a statement or a call: no return type)
+        i, parens = m.end(), 1
+        while i < len(source) and parens:
+            parens += {"(": 1, ")": -1}.get(source[i], 0)
+            i += 1
+        while i < len(source) and source[i] not in "{;=":
+            i += 1
+        if i >= len(source) or source[i] != "{":
+            continue  # (a declaration)
+        depth, k = 0, i
+        while k < len(source):
+            depth += {"{": 1, "}": -1}.get(source[k], 0)
+            k += 1
+            if depth == 0:
+                break
+        yield name, source[m.start() : k].count("\n") + 1
+
+
 def test_rooms_stay_small():
     """The limits the house keeps (a module read in one sitting): modules of at most 600 lines,
-    functions of at most 100, C++ classes of at most 400."""
+    functions of at most 100 (Python and C++), C++ classes of at most 400."""
     big = []
     for path, source in _package_sources().items():
         if source.count("\n") > MAX_MODULE_LINES:
@@ -210,4 +237,14 @@ def test_rooms_stay_small():
         for name, lines in _cpp_classes(p.read_text()):
             if lines > MAX_CLASS_LINES:
                 big.append(f"{os.path.relpath(p, ROOT)}: class {name}: {lines} lines")
+        for name, lines in _cpp_functions(p.read_text()):
+            if lines > MAX_FUNCTION_LINES:
+                big.append(f"{os.path.relpath(p, ROOT)}: function {name}: {lines} lines")
     assert big == []
+
+
+def test_the_cpp_function_budget_sees_a_long_function():
+    body = "\n".join(f"  x += {i};" for i in range(120))
+    source = f"static int long_one(int x) {{\n{body}\n  return x;\n}}\nstruct S {{\n  void short_one() {{\n    if (a) {{ b(); }}\n  }}\n}};\n"
+    found = dict(_cpp_functions(source))
+    assert found["long_one"] > MAX_FUNCTION_LINES and found["short_one"] == 3 and "if" not in found

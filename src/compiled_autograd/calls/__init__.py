@@ -49,15 +49,15 @@ def install() -> None:
     with _lock:
         if _installed:
             return
-        call = torch.library.custom_op("compiled_autograd::call", kernel.call_kernel, mutates_args=())
+        call = torch.library.custom_op("compiled_autograd::call", kernel.call, mutates_args=())
         # The kernel is registered once more, directly: custom_op's wrapper of it checks that no
         # output aliases an input, which a hook that returns its grad unchanged may do here (NOTE
         # [Outputs the graph owns]: only where that is safe), and costs a few microseconds a call.
         lib = torch.library.Library("compiled_autograd", "FRAGMENT")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "Overriding a previously registered kernel"
-            lib.impl("call", kernel.call_kernel, "CompositeExplicitAutograd", allow_override=True)
-            lib.impl("call", kernel.call_at_autograd, "Autograd", allow_override=True)
+            lib.impl("call", kernel.call, "CompositeExplicitAutograd", allow_override=True)
+            lib.impl("call", kernel.at_autograd, "Autograd", allow_override=True)
         op = torch.ops.compiled_autograd.call.default
         kernel._op = op
         op._compiled_autograd_direct = kernel.direct  # (kernel.DIRECT_KERNEL_NAME)

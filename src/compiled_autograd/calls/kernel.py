@@ -58,7 +58,7 @@ from ..errors import ResumeHere
 from ..nodes import SLOT_KINDS
 from ..nodes.accumulate import HANDED_OVER
 from ..nodes.saved_tensors import NotAsLearned
-from ..values import REFERENCE, Slot, is_plain, observed_layout
+from ..values import REFERENCE, Slot, SlotKind, is_plain, observed_layout
 from .checks import _check_ctx, _check_versions, _hooks_added_error, _shared_modified_error, _still_empty_error
 from .protocol import DEFINEDNESS, DTYPES, DEVICE_TYPES, KEEPS_INPUTS, PASSES_SHIFT, ReplayFrame, decode_meta
 
@@ -159,18 +159,9 @@ def will_engine_execute_node(node):
 
 
 
-def call_kernel(
-    slot: int,
-    args: list[Optional[torch.Tensor]],
-    meta: list[int],
-    flags: int,
-) -> list[torch.Tensor]:
-    """The op's kernel, as the dispatcher runs it (below autograd)."""
-    return _run_call(slot, args, meta, flags)
-
-
-def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
-    """One call of a replayed graph, in the backward call's dispatch state."""
+def call(slot: int, args: list[Optional[torch.Tensor]], meta: list[int], flags: int) -> list[torch.Tensor]:
+    """One call of a running graph, in the backward call's dispatch state: the op's kernel (the
+    dispatcher runs it below autograd; `at_autograd` and `direct` reach it without that)."""
     frame = _replay.stack[-1]
     capture, slots, outside, hooks, steal, keep = frame.capture, frame.slots, frame.outside, frame.hooks, frame.steal, frame.keep
     versions, ctx, releases, observed = frame.versions, frame.ctx, frame.releases, frame.observed
@@ -227,7 +218,7 @@ def _run_call(slot, args, meta, flags) -> list[torch.Tensor]:
             # AccumulateGrad sees the hook's reference and copies (NOTE [Stealing a fresh grad])
             # (plain tensors only: a subclass or a value held by reference is never a graph buffer to steal)
             counts = [(a, sys.getrefcount(a)) for a in args if is_plain(a)] if steal is not None and not row.ordering_args else ()
-            outs = _run_slot(capture, slot, row, node, mask, args, meta, flags, hooks, shared if keeps else None, observed,
+            outs = _run_and_conform(capture, slot, row, node, mask, args, meta, flags, hooks, shared if keeps else None, observed,
                              values, s.out_specs, (frame.refs, by_ref_out) if by_ref_out else None)
             for a, n in counts:
                 if sys.getrefcount(a) - sum(o is a for o in outs) > n:
@@ -299,7 +290,7 @@ def check_hooks_added(capture, kind, node) -> None:
         _hooks_added_error(kind, capture, node)
 
 
-def _run_slot(capture, slot, row, node, mask, args, meta, flags, hooks, shared=None, observed=None, values=None, out_specs=(),
+def _run_and_conform(capture, slot, row, node, mask, args, meta, flags, hooks, shared=None, observed=None, values=None, out_specs=(),
               by_ref=None):
     metas = decode_meta(meta)
     try:
@@ -370,7 +361,7 @@ def _fast_path() -> bool:
         not torch.is_grad_enabled() or bool(_replay.stack and _replay.stack[-1].capture.grad_mode))
 
 
-def call_at_autograd(slot, args, meta, flags):
+def at_autograd(slot, args, meta, flags):
     """The kernel at the Autograd key. A compiled graph calls the op with grad mode off and no
     dispatch mode active: the kernel runs there and then, skipping custom_op's Python
     autograd wrapper and its redispatch below autograd (about 20 us of a call's ~120). The
@@ -378,17 +369,17 @@ def call_at_autograd(slot, args, meta, flags):
     otherwise, and while a trace (make_fx's proxy mode, fake tensors, functionalization)
     is active, it goes on below autograd as any op does."""
     if _fast_path():
-        return _run_call(slot, args, meta, flags)
+        return call(slot, args, meta, flags)
     with torch._C._AutoDispatchBelowAutograd():
         return _op(slot, args, meta, flags)
 
 
-def call_direct(slot, args, meta, flags):
+def _direct(slot, args, meta, flags):
     """The call without the dispatcher (its boxing of the arguments costs ~10 us), for the
     graphs that run as Python code we generate (the eager backend, aot_eager's graph:
     compile/boxed.py): the same kernel, where the dispatcher would run it directly."""
     if _fast_path():
-        return _run_call(slot, args, meta, flags)
+        return call(slot, args, meta, flags)
     return _op(slot, args, meta, flags)
 
 
@@ -398,21 +389,22 @@ def call_direct(slot, args, meta, flags):
 DIRECT_KERNEL_NAME = "torch.ops.compiled_autograd.call.default._compiled_autograd_direct"
 
 # NOTE [Calls in the helper]
-# A call out of compiled code costs its Python: the frames of call_direct,
-# _run_call, _run_slot and _conform, slicing the arguments, the grad-mode and
-# dispatch-key checks, the checks after it. That was most of a hook's cost
-# against eager (a clamping hook on a parameter: ~12 us a call against eager's
-# ~5 us; a hook on an activation ~22 us more than eager). So the compiled code
-# calls the native helper's call_direct, which takes AccumulateGrad, hook and
-# opaque-node calls through the same steps as _run_call, in C++, and raises
-# through the same functions here (_hooks_added_error, _check_versions,
-# _check_ctx, _shared_modified_error, _conform for what it rejects): the
-# replay's frame is pushed to the helper as well (replaying). It follows the same
-# slot-kind table (nodes/__init__.py SLOT_KINDS: each kind's CallHow and stage). An
-# unpack call, a call off the fast path (grad mode on, a dispatch mode active), or
-# one whose thread excludes other dispatch keys than the backward call did, goes to
-# call_direct or _run_call here.
-direct = call_direct  # what compiled code calls: the helper's, once loaded (native_calls)
+# One act, `call`, reached three ways: through the dispatcher (the op's kernel, below
+# autograd), at its Autograd key (`at_autograd`: a compiled graph calls it with grad mode off
+# and no dispatch mode, so the kernel runs there and then), and `direct`, without the
+# dispatcher, from the code we generate (compile/boxed.py, compile/inductor.py). A call out of
+# compiled code costs its Python: the frames, slicing the arguments, the grad-mode and
+# dispatch-key checks, the checks after it; that was most of a hook's cost against eager (a
+# clamping hook on a parameter: ~12 us a call against eager's ~5 us). So `direct` is the native
+# helper's where it is loaded: it takes AccumulateGrad, hook and opaque-node calls through
+# `call`'s steps in C++, reading each kind's row of the one slot-kind table (nodes/__init__.py
+# SLOT_KINDS, given to it by name: install_native) and the Slot and frame fields by name, and
+# raises through the same functions here (_hooks_added_error, _check_versions, _check_ctx,
+# _shared_modified_error); an output not exactly as traced goes to `_conform`, the one place of
+# those rules (NOTE [A call output not as traced], capture/resume.py). An unpack call, a call
+# off the fast path (grad mode on, a dispatch mode active), or one whose thread excludes other
+# dispatch keys than the backward call did, goes to `_direct` or `call` here.
+direct = _direct  # what compiled code calls: the helper's, once loaded (native_calls)
 _native_module = None
 
 
@@ -424,33 +416,37 @@ def native_calls():
 
         mod = native.load()
         install_native(mod)
-        direct = _op._compiled_autograd_direct = mod.call_direct
+        direct = _op._compiled_autograd_direct = mod.direct
         _native_module = mod
     return _native_module
 
 
-def install_native(mod, run_call=None) -> None:
+def install_native(mod, python_call=None) -> None:
     """Give the helper's direct call the slot-kind table and the Python it hands other calls
-    to (`run_call`: _run_call, or a test's wrapper of it)."""
-    mod.install_calls(
-        {
-            "call_direct": call_direct,
-            "run_call": run_call or _run_call,
-            # (name, CallHow, stage) of each kind the helper runs
-            "kinds": [(row.name, int(row.native), row.stage) for row in SLOT_KINDS.values() if row.native >= 0],
-            "dtypes": DTYPES,
-            "device_types": DEVICE_TYPES,
-            "parameter_class": torch.nn.Parameter,
-            "slot_fields": Slot._fields,  # (the helper reads both by name)
-            "frame_fields": ReplayFrame._fields,
-            "conform": conform_from_native,
-            "check_versions": _check_versions,
-            "check_ctx": _check_ctx,
-            "hooks_added_error": _hooks_added_error,
-            "shared_modified_error": _shared_modified_error,
-            "still_empty_error": _still_empty_error,
-        }
-    )
+    to (`python_call`: `call`, or a test's wrapper of it)."""
+    mod.install_calls(_native_table(python_call))
+
+
+def _native_table(python_call) -> dict:
+    """What the helper is given: the Python it hands calls to, the rows of the kinds it runs, and
+    the fields of the tuples it reads, by name (NOTE [Calls in the helper])."""
+    return {
+        "direct": _direct,
+        "call": python_call or call,
+        "kinds": [row._replace(native=int(row.native)) for row in SLOT_KINDS.values() if row.native >= 0],
+        "kind_fields": SlotKind._fields,
+        "slot_fields": Slot._fields,
+        "frame_fields": ReplayFrame._fields,
+        "dtypes": DTYPES,
+        "device_types": DEVICE_TYPES,
+        "parameter_class": torch.nn.Parameter,
+        "conform": conform_from_native,
+        "check_versions": _check_versions,
+        "check_ctx": _check_ctx,
+        "hooks_added_error": _hooks_added_error,
+        "shared_modified_error": _shared_modified_error,
+        "still_empty_error": _still_empty_error,
+    }
 
 
 def call_fake(slot, args, meta, flags):

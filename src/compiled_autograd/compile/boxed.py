@@ -20,7 +20,7 @@ def _with_effects_direct(token, op, *args, **kwargs):
 
 def _direct_calls(graph: torch.fx.Graph) -> None:
     """Our calls in a graph we run as generated Python code go straight to the kernel
-    (calls/kernel.py call_direct): no dispatcher, and no `with_effects` higher-order op, whose Python
+    (calls/kernel.py direct): no dispatcher, and no `with_effects` higher-order op, whose Python
     dispatch (pytree flattening of the arguments, a new token tensor per call) cost about
     60 us a call, half a hook call's time. The call stays where the graph has it, and the
     graph runs in order (the token only threads that order through)."""
@@ -29,7 +29,7 @@ def _direct_calls(graph: torch.fx.Graph) -> None:
         if n.op != "call_function":
             continue
         if n.target is op:
-            n.target = kernel.native_calls().call_direct
+            n.target = kernel.native_calls().direct
         elif n.target is torch.ops.higher_order.with_effects and len(n.args) > 1 and n.args[1] is op:
             n.target = _with_effects_direct
 

@@ -67,7 +67,7 @@ def _register_inductor_lowering() -> None:
         created = V.graph.operations[start:]
         for operation in created:
             if isinstance(operation, ir.FallbackKernel) and not V.graph.cpp_wrapper and not getattr(V.graph, "fx_wrapper", False):
-                # the generated Python code calls the kernel directly (calls/kernel.py call_direct): not
+                # the generated Python code calls the kernel directly (calls/kernel.py direct): not
                 # through the dispatcher, whose boxing of the arguments and redispatch to our
                 # Python kernel cost ~10 us a call
                 operation.python_kernel_name = kernel.DIRECT_KERNEL_NAME

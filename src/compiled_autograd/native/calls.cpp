@@ -299,11 +299,13 @@ struct ReplayFrame {
 
 static thread_local std::vector<ReplayFrame> replay_frames;
 
-// A slot kind's row, as the helper follows it (values.SlotKind: its name, native, stage)
+// A slot kind's row, as the helper follows it (values.SlotKind, read by field name)
 struct CallKindRow {
   py::object name;
-  int how; // CallHow
+  int how; // CallHow (`native`): what it runs (run_row)
   int stage; // where in its node's steps it runs (GraphCapture::hooks_added)
+  bool accumulates; // hands its grad to AccumulateGrad, returns nothing
+  bool new_grads_go_nowhere; // an output where the trace had None is dropped, not an error
 };
 
 // Where each field of a Python NamedTuple the helper reads is, by name: given by install_calls
@@ -325,8 +327,8 @@ struct Fields {
 };
 
 struct CallFallbacks {
-  py::object call_direct; // calls/kernel.py call_direct: any call not on the fast path
-  py::object run_call; // calls/kernel.py _run_call: a call on the fast path these steps do not take
+  py::object direct; // calls/kernel.py _direct: any call not on the fast path
+  py::object call; // calls/kernel.py call: a call on the fast path these steps do not take
   std::vector<CallKindRow> kinds; // the rows of the kinds the helper runs
   std::vector<at::ScalarType> dtypes; // protocol.DTYPES
   std::vector<c10::DeviceType> device_types; // protocol.DEVICE_TYPES
@@ -345,12 +347,19 @@ static CallFallbacks& fallbacks() {
 
 void install_calls(py::dict fns) {
   auto& f = fallbacks();
-  f.call_direct = fns["call_direct"];
-  f.run_call = fns["run_call"];
+  f.direct = fns["direct"];
+  f.call = fns["call"];
+  Fields kind;
+  kind.read(fns["kind_fields"]);
   f.kinds.clear();
-  for (auto k : py::list(fns["kinds"])) {
+  for (auto k : py::list(fns["kinds"])) { // values.SlotKind rows
     py::tuple row = py::reinterpret_borrow<py::tuple>(k);
-    f.kinds.push_back(CallKindRow{py::reinterpret_borrow<py::object>(row[0]), row[1].cast<int>(), row[2].cast<int>()});
+    f.kinds.push_back(CallKindRow{
+        py::reinterpret_borrow<py::object>(row[kind["name"]]),
+        row[kind["native"]].cast<int>(),
+        row[kind["stage"]].cast<int>(),
+        PyObject_IsTrue(row[kind["accumulates"]].ptr()) == 1,
+        PyObject_IsTrue(row[kind["new_grads_go_nowhere"]].ptr()) == 1});
   }
   f.dtypes.clear();
   for (auto d : py::list(fns["dtypes"])) {
@@ -403,20 +412,54 @@ static py::object wrap(at::Tensor t) {
   return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t)));
 }
 
-// The row of a slot kind the helper runs: (how, stage); (CALL_PYTHON, -1) for any other
-static std::pair<int, int> call_kind(py::handle kind) {
+// The row of a slot kind the helper runs; nullptr for a kind it leaves to Python
+static const CallKindRow* call_kind(py::handle kind) {
   const auto& kinds = fallbacks().kinds;
   for (const auto& row : kinds) {
     if (kind.ptr() == row.name.ptr()) {
-      return {row.how, row.stage};
+      return &row;
     }
   }
   for (const auto& row : kinds) {
     if (kind.equal(row.name)) {
-      return {row.how, row.stage};
+      return &row;
     }
   }
-  return {CALL_PYTHON, -1};
+  return nullptr;
+}
+
+// What a row runs (its CallHow), on the call's defined arguments: the one place the helper
+// chooses by kind. An accumulation returns nothing.
+static std::vector<std::optional<at::Tensor>> run_row(
+    const CallKindRow& row,
+    GraphCapture& capture,
+    size_t node,
+    std::vector<std::optional<at::Tensor>>& inputs,
+    size_t n_mask,
+    const StorageSet* steal) {
+  switch (row.how) {
+    case CALL_TENSOR_PRE_HOOKS:
+      return capture.call_tensor_pre_hooks(node, inputs);
+    case CALL_PRE_HOOKS:
+      return capture.call_pre_hooks(node, inputs);
+    case CALL_POST_HOOKS: { // (its node's outputs, then its inputs)
+      auto split = inputs.begin() + static_cast<std::ptrdiff_t>(n_mask);
+      return capture.call_post_hooks(
+          node, std::vector<std::optional<at::Tensor>>(inputs.begin(), split), std::vector<std::optional<at::Tensor>>(split, inputs.end()));
+    }
+    case CALL_NODE:
+      return capture.call_node(node, inputs);
+    case CALL_ACCUMULATE:
+    case CALL_HOOKED_ACCUMULATE:
+      // (a second argument: its definedness, a bool tensor: accumulate.accumulate)
+      if (!inputs.empty() && inputs[0].has_value() &&
+          (inputs.size() < 2 || !inputs[1].has_value() || inputs[1]->item<bool>())) {
+        capture.accumulate_graph_grad(node, *inputs[0], row.how == CALL_HOOKED_ACCUMULATE, steal);
+      }
+      return {};
+    default:
+      TORCH_CHECK(false, "compiled_autograd: no native call for CallHow ", row.how);
+  }
 }
 
 // Whether `t` (ours) is the only reference to its tensor and storage (kernel._sole_owner). A
@@ -463,7 +506,7 @@ static bool is_plain(const at::Tensor& t) {
 // NOTE [A call output not as traced] in capture/resume.py). `args` and `values`: the call's
 // arguments and what the graph holds at it, should it stop there.
 static py::list conform(
-    int kind,
+    const CallKindRow& row,
     int64_t slot,
     py::handle mask,
     std::vector<std::optional<at::Tensor>> outs,
@@ -483,7 +526,7 @@ static py::list conform(
     bool traced = PyTuple_GET_ITEM(mask.ptr(), i) == Py_True;
     bool defined = outs[i].has_value() && outs[i]->defined();
     if (!traced) {
-      as_traced = !defined || kind == CALL_NODE; // (a node's grad where the trace had none goes nowhere)
+      as_traced = !defined || row.new_grads_go_nowhere; // (a node's grad where the trace had none goes nowhere)
       continue;
     }
     const OutputMeta& m = metas.at(k++);
@@ -541,175 +584,180 @@ static py::list conform(
   return result;
 }
 
-py::object call_direct(int64_t slot, py::list args, py::list meta, int64_t flags) {
+// One call as `direct` takes it: its slot's fields and where its arguments are (NOTE [The
+// layout of a call's arguments], capture/lint.py): the call's own (then, with in_flags, which
+// are defined), n_after that only order it, n_watch saved tensors it checks, n_resume values
+// the graph holds at it, n_passed graph inputs it returns.
+struct CallSite {
+  ReplayFrame f;
+  const CallKindRow* row;
+  py::tuple slot_row;
+  int64_t slot;
+  py::list args;
+  int64_t flags;
+  py::handle kind_obj, mask;
+  py::object node_obj;
+  size_t node = 0;
+  py::tuple shared = py::tuple(0);
+  Py_ssize_t n_watch = 0, n_passed = 0, end_watch = 0, end_resume = 0;
+  bool stops = false; // the call can stop its graph (Slot.n_resume >= 0)
+  std::vector<PyObject*> given; // its own arguments, None where undefined
+};
+
+// The call site, or nullopt where the call goes to Python (a kind the helper does not run,
+// other excluded dispatch keys, subclass arguments, values passed by reference).
+static std::optional<CallSite> call_site(int64_t slot, py::list args, int64_t flags) {
   auto& fb = fallbacks();
-  if (at::GradMode::is_enabled() || c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
-    return fb.call_direct(slot, args, meta, flags);
-  }
-  auto python = [&]() { return fb.run_call(slot, args, meta, flags); };
-  if (replay_frames.empty()) {
-    return python();
-  }
   ReplayFrame f = replay_frames.back(); // (a copy: a hook's nested backward pushes and pops frames)
-  py::handle slots = f.frame[fb.frame_slots];
-  py::tuple s = py::reinterpret_borrow<py::tuple>(slots[py::int_(slot)]);
-  py::handle kind_obj = s[fb.slot_kind];
-  auto [kind, stage] = call_kind(kind_obj);
-  if (kind == CALL_PYTHON || c10::impl::tls_local_dispatch_key_set().excluded_ != f.outside) {
-    return python();
+  py::tuple s = py::reinterpret_borrow<py::tuple>(py::handle(f.frame[fb.frame_slots])[py::int_(slot)]);
+  const CallKindRow* row = call_kind(s[fb.slot_kind]);
+  if (row == nullptr || c10::impl::tls_local_dispatch_key_set().excluded_ != f.outside ||
+      PyObject_IsTrue(s[fb.slot_rebuild].ptr()) || PyObject_IsTrue(s[fb.slot_by_reference].ptr()) ||
+      !PyTuple_Check(py::handle(s[fb.slot_mask]).ptr())) {
+    return std::nullopt;
   }
-  if (PyObject_IsTrue(s[fb.slot_rebuild].ptr()) || PyObject_IsTrue(s[fb.slot_by_reference].ptr())) {
-    // tensor subclass arguments rebuilt from their inner tensors, values passed by reference (kernel._run_call)
-    return python();
-  }
-  py::object node_obj = s[fb.slot_node];
-  auto node = node_obj.cast<size_t>();
-  py::handle mask = s[fb.slot_mask];
-  if (!PyTuple_Check(mask.ptr())) {
-    return python();
-  }
-  bool in_flags = PyObject_IsTrue(s[fb.slot_in_flags].ptr());
-  bool fresh = PyObject_IsTrue(s[fb.slot_fresh].ptr());
-  auto n_after = s[fb.slot_n_after].cast<Py_ssize_t>();
-  py::tuple shared = s[fb.slot_shared];
-  auto n_watch = s[fb.slot_n_watch].cast<Py_ssize_t>();
+  CallSite c{f, row, s, slot, args, flags, s[fb.slot_kind], s[fb.slot_mask], s[fb.slot_node]};
+  c.node = c.node_obj.cast<size_t>();
+  c.shared = s[fb.slot_shared];
+  c.n_watch = s[fb.slot_n_watch].cast<Py_ssize_t>();
   auto n_resume = s[fb.slot_n_resume].cast<Py_ssize_t>(); // (-1: the call cannot stop the graph)
-  bool stops = n_resume >= 0;
-  n_resume = std::max<Py_ssize_t>(n_resume, 0);
-  // the arguments (NOTE [The layout of a call's arguments], capture/lint.py): the call's own
-  // (then, with in_flags, which are defined), n_after that only order it, n_watch saved tensors
-  // it checks, n_resume values the graph holds at it, n_passed graph inputs it returns
-  Py_ssize_t n_passed = flags >> kPassesShift;
-  Py_ssize_t end_resume = PyList_GET_SIZE(args.ptr()) - n_passed;
-  Py_ssize_t end_watch = end_resume - n_resume;
-  Py_ssize_t n = end_watch - n_watch - n_after;
-  // the slot of the last call (kernel._replay.last); the engine runs each node in the
-  // backward's grad mode (kernel._run_call)
-  py::object at_obj = s[fb.slot_at];
-  PyObject* last = PyList_GET_ITEM(f.last.ptr(), f.pos);
-  bool new_node = last == Py_None ||
-      !at_obj.equal(py::handle(PyTuple_GET_ITEM(slots[py::handle(last)].ptr(), fb.slot_at)));
-  py::int_ slot_obj(slot);
-  PyList_SetItem(f.last.ptr(), f.pos, slot_obj.inc_ref().ptr());
-  if (new_node) {
-    if (at::GradMode::is_enabled() != f.capture->grad_mode) {
-      at::GradMode::set_enabled(f.capture->grad_mode);
-    }
-  }
-  std::vector<int64_t> before;
-  for (auto i : shared) {
-    PyObject* a = PyList_GET_ITEM(args.ptr(), i.cast<Py_ssize_t>());
-    before.push_back(a == Py_None ? 0 : THPVariable_Unpack(a)._version());
-  }
-  // the call's arguments, None where undefined
-  std::vector<PyObject*> given;
-  if (in_flags) {
+  c.stops = n_resume >= 0;
+  c.n_passed = flags >> kPassesShift;
+  c.end_resume = PyList_GET_SIZE(args.ptr()) - c.n_passed;
+  c.end_watch = c.end_resume - std::max<Py_ssize_t>(n_resume, 0);
+  Py_ssize_t n = c.end_watch - c.n_watch - s[fb.slot_n_after].cast<Py_ssize_t>();
+  if (PyObject_IsTrue(s[fb.slot_in_flags].ptr())) {
     at::Tensor defined = tensor_at(args.ptr(), n - 1).to(at::kCPU).to(at::kBool).contiguous();
     const bool* d = defined.data_ptr<bool>();
     for (Py_ssize_t i = 0; i < n - 1; ++i) {
-      given.push_back(d[i] ? PyList_GET_ITEM(args.ptr(), i) : Py_None);
+      c.given.push_back(d[i] ? PyList_GET_ITEM(args.ptr(), i) : Py_None);
     }
   } else {
     for (Py_ssize_t i = 0; i < n; ++i) {
-      given.push_back(PyList_GET_ITEM(args.ptr(), i));
+      c.given.push_back(PyList_GET_ITEM(args.ptr(), i));
     }
   }
-  py::list outs;
-  if (kind == CALL_ACCUMULATE || kind == CALL_HOOKED_ACCUMULATE) {
-    // (a second argument: its definedness, a bool tensor: accumulate.accumulate)
-    bool defined = !given.empty() && given[0] != Py_None &&
-        (given.size() < 2 || given[1] == Py_None || THPVariable_Unpack(given[1]).item<bool>());
-    if (defined) {
-      f.capture->accumulate_graph_grad(
-          node, THPVariable_Unpack(given[0]), kind == CALL_HOOKED_ACCUMULATE, fresh ? f.steal : nullptr);
-    }
-  } else {
-    std::vector<std::optional<at::Tensor>> inputs;
-    std::vector<Py_ssize_t> refcounts; // a hook that keeps its grad: never steal it (kernel._run_call)
-    for (PyObject* a : given) {
-      inputs.emplace_back(a == Py_None ? std::nullopt : std::optional<at::Tensor>(THPVariable_Unpack(a)));
-      refcounts.push_back(Py_REFCNT(a));
-    }
-    std::vector<std::optional<at::Tensor>> results;
-    if (kind == CALL_TENSOR_PRE_HOOKS) {
-      results = f.capture->call_tensor_pre_hooks(node, inputs);
-    } else if (kind == CALL_PRE_HOOKS) {
-      results = f.capture->call_pre_hooks(node, inputs);
-    } else if (kind == CALL_POST_HOOKS) {
-      auto split = inputs.begin() + PyTuple_GET_SIZE(mask.ptr());
-      results = f.capture->call_post_hooks(
-          node, std::vector<std::optional<at::Tensor>>(inputs.begin(), split), std::vector<std::optional<at::Tensor>>(split, inputs.end()));
-    } else {
-      results = f.capture->call_node(node, inputs);
-    }
-    if (f.steal != nullptr) {
-      for (size_t i = 0; i < given.size(); ++i) {
-        if (given[i] != Py_None && Py_REFCNT(given[i]) > refcounts[i]) {
-          f.steal->add(*inputs[i]);
-        }
-      }
-    }
-    std::vector<at::Tensor> keep; // the call's inputs nothing else in the graph reads (kernel._run_slot)
-    if (PyObject_IsTrue(f.frame[fb.frame_keep].ptr()) && (flags & kKeepsInputs)) {
-      for (size_t i = 0; i < inputs.size(); ++i) {
-        bool is_shared = std::any_of(shared.begin(), shared.end(), [&](py::handle j) { return j.cast<size_t>() == i; });
-        if (inputs[i].has_value() && !is_shared) {
-          keep.push_back(*inputs[i]);
-        }
-      }
-    }
-    inputs.clear();
-    py::object values = py::none();
-    if (stops) {
-      py::list held;
-      for (Py_ssize_t i = end_watch; i < end_resume; ++i) {
-        held.append(py::handle(PyList_GET_ITEM(args.ptr(), i)));
-      }
-      values = held;
-    }
-    outs = conform(kind, slot, mask, std::move(results), keep, meta, flags, given, values);
+  return c;
+}
+
+// The call's row run on its arguments, its outputs as the graph expects them (kernel.call's
+// steps from the row to _conform).
+static py::list run_site(CallSite& c, py::list meta) {
+  auto& fb = fallbacks();
+  std::vector<std::optional<at::Tensor>> inputs;
+  std::vector<Py_ssize_t> refcounts; // a hook that keeps its grad: never steal it (kernel.call)
+  for (PyObject* a : c.given) {
+    inputs.emplace_back(a == Py_None ? std::nullopt : std::optional<at::Tensor>(THPVariable_Unpack(a)));
+    refcounts.push_back(Py_REFCNT(a));
   }
-  if (f.capture->hooks_added(node, stage)) {
-    fb.hooks_added_error(kind_obj, py::handle(f.frame[fb.frame_capture]), node_obj);
+  bool fresh = PyObject_IsTrue(c.slot_row[fb.slot_fresh].ptr());
+  auto results = run_row(*c.row, *c.f.capture, c.node, inputs, static_cast<size_t>(PyTuple_GET_SIZE(c.mask.ptr())), fresh ? c.f.steal : nullptr);
+  if (c.row->accumulates) {
+    return py::list();
   }
-  if (n_watch > 0) {
-    py::list expected = py::handle(f.frame[fb.frame_versions])[py::int_(slot)];
-    Py_ssize_t start = end_watch - n_watch;
-    for (Py_ssize_t k = 0; k < n_watch; ++k) {
-      if (tensor_at(args.ptr(), start + k)._version() != expected[k].cast<int64_t>()) {
+  if (c.f.steal != nullptr) {
+    for (size_t i = 0; i < c.given.size(); ++i) {
+      if (c.given[i] != Py_None && Py_REFCNT(c.given[i]) > refcounts[i]) {
+        c.f.steal->add(*inputs[i]);
+      }
+    }
+  }
+  std::vector<at::Tensor> keep; // the call's inputs nothing else in the graph reads (kernel._run_and_conform)
+  if (PyObject_IsTrue(c.f.frame[fb.frame_keep].ptr()) && (c.flags & kKeepsInputs)) {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      bool is_shared = std::any_of(c.shared.begin(), c.shared.end(), [&](py::handle j) { return j.cast<size_t>() == i; });
+      if (inputs[i].has_value() && !is_shared) {
+        keep.push_back(*inputs[i]);
+      }
+    }
+  }
+  inputs.clear();
+  py::object values = py::none();
+  if (c.stops) {
+    py::list held;
+    for (Py_ssize_t i = c.end_watch; i < c.end_resume; ++i) {
+      held.append(py::handle(PyList_GET_ITEM(c.args.ptr(), i)));
+    }
+    values = held;
+  }
+  return conform(*c.row, c.slot, c.mask, std::move(results), keep, meta, c.flags, c.given, values);
+}
+
+// What kernel.call checks after the call: hooks added, saved tensors and ctx values changed,
+// shared arguments changed in place (`before`: their versions); then the nodes it releases.
+static void check_after(CallSite& c, const std::vector<int64_t>& before) {
+  auto& fb = fallbacks();
+  py::handle capture = c.f.frame[fb.frame_capture];
+  if (c.f.capture->hooks_added(c.node, c.row->stage)) {
+    fb.hooks_added_error(c.kind_obj, capture, c.node_obj);
+  }
+  if (c.n_watch > 0) {
+    py::list expected = py::handle(c.f.frame[fb.frame_versions])[py::int_(c.slot)];
+    Py_ssize_t start = c.end_watch - c.n_watch;
+    for (Py_ssize_t k = 0; k < c.n_watch; ++k) {
+      if (tensor_at(c.args.ptr(), start + k)._version() != expected[k].cast<int64_t>()) {
         py::list watched;
-        for (Py_ssize_t j = 0; j < n_watch; ++j) {
-          watched.append(py::handle(PyList_GET_ITEM(args.ptr(), start + j)));
+        for (Py_ssize_t j = 0; j < c.n_watch; ++j) {
+          watched.append(py::handle(PyList_GET_ITEM(c.args.ptr(), start + j)));
         }
         fb.check_versions(watched, expected); // raises eager's error
       }
     }
   }
-  py::handle ctx = f.frame[fb.frame_ctx];
-  if (!ctx.is_none() && PyDict_Contains(ctx.ptr(), py::int_(slot).ptr()) == 1) {
-    fb.check_ctx(ctx[py::int_(slot)]);
+  py::handle ctx = c.f.frame[fb.frame_ctx];
+  if (!ctx.is_none() && PyDict_Contains(ctx.ptr(), py::int_(c.slot).ptr()) == 1) {
+    fb.check_ctx(ctx[py::int_(c.slot)]);
   }
   size_t k = 0;
-  for (auto i : shared) {
-    PyObject* a = given.at(i.cast<size_t>());
+  for (auto i : c.shared) {
+    PyObject* a = c.given.at(i.cast<size_t>());
     if (a != Py_None && THPVariable_Unpack(a)._version() != before[k]) {
-      fb.shared_modified_error(kind_obj, py::handle(f.frame[fb.frame_capture]), node_obj);
+      fb.shared_modified_error(c.kind_obj, capture, c.node_obj);
     }
     ++k;
   }
-  py::handle releases = f.frame[fb.frame_releases];
-  if (!releases.is_none() && PyDict_Contains(releases.ptr(), py::int_(slot).ptr()) == 1) {
-    f.capture->release_nodes(releases[py::int_(slot)].cast<std::vector<int64_t>>());
+  py::handle releases = c.f.frame[fb.frame_releases];
+  if (!releases.is_none() && PyDict_Contains(releases.ptr(), py::int_(c.slot).ptr()) == 1) {
+    c.f.capture->release_nodes(releases[py::int_(c.slot)].cast<std::vector<int64_t>>());
   }
-  bool keep_passed = PyObject_IsTrue(f.frame[fb.frame_keep].ptr());
-  for (Py_ssize_t i = end_resume; i < end_resume + n_passed; ++i) {
+}
+
+py::object direct(int64_t slot, py::list args, py::list meta, int64_t flags) {
+  auto& fb = fallbacks();
+  if (at::GradMode::is_enabled() || c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
+    return fb.direct(slot, args, meta, flags);
+  }
+  std::optional<CallSite> site = replay_frames.empty() ? std::nullopt : call_site(slot, args, flags);
+  if (!site) {
+    return fb.call(slot, args, meta, flags);
+  }
+  CallSite& c = *site;
+  // the slot of the last call (kernel._replay.last); the engine runs each node in the
+  // backward's grad mode (kernel.call)
+  py::handle slots = c.f.frame[fb.frame_slots];
+  PyObject* last = PyList_GET_ITEM(c.f.last.ptr(), c.f.pos);
+  bool new_node = last == Py_None ||
+      !py::handle(c.slot_row[fb.slot_at]).equal(py::handle(PyTuple_GET_ITEM(slots[py::handle(last)].ptr(), fb.slot_at)));
+  PyList_SetItem(c.f.last.ptr(), c.f.pos, py::int_(slot).inc_ref().ptr());
+  if (new_node && at::GradMode::is_enabled() != c.f.capture->grad_mode) {
+    at::GradMode::set_enabled(c.f.capture->grad_mode);
+  }
+  std::vector<int64_t> before;
+  for (auto i : c.shared) {
+    PyObject* a = PyList_GET_ITEM(args.ptr(), i.cast<Py_ssize_t>());
+    before.push_back(a == Py_None ? 0 : THPVariable_Unpack(a)._version());
+  }
+  py::list outs = run_site(c, meta);
+  check_after(c, before);
+  bool keep_passed = PyObject_IsTrue(c.f.frame[fb.frame_keep].ptr());
+  for (Py_ssize_t i = c.end_resume; i < c.end_resume + c.n_passed; ++i) {
     // graph inputs read after the call, as it leaves them; a user's backend may reuse an
     // output's buffer: a copy
     PyObject* t = PyList_GET_ITEM(args.ptr(), i);
     const at::Tensor& passed = THPVariable_Unpack(t);
     if (passed.numel() > 0 && passed.storage().nbytes() == 0) {
       // NOTE [Tensors whose data arrives during the backward]: no hook refilled it
-      fb.still_empty_error(kind_obj, py::handle(f.frame[fb.frame_capture]), node_obj);
+      fb.still_empty_error(c.kind_obj, py::handle(c.f.frame[fb.frame_capture]), c.node_obj);
     }
     outs.append(keep_passed ? py::reinterpret_borrow<py::object>(t) : wrap(passed.clone()));
   }

@@ -543,6 +543,6 @@ void install_calls(py::dict fns);
 void push_replay(py::tuple frame, py::list last);
 void pop_replay();
 bool pyobj_held_by_tensor();
-py::object call_direct(int64_t slot, py::list args, py::list meta, int64_t flags);
+py::object direct(int64_t slot, py::list args, py::list meta, int64_t flags);
 
 } // namespace compiled_autograd_native

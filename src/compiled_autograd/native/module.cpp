@@ -19,7 +19,7 @@
 //   collect.cpp  the walk, the key, the lifted tensors; the saved-tensor
 //                hooks collected with them (NOTE [One key per graph]);
 //   trace.cpp    trace support (Tracer, PyNodeSavedSwap);
-//   calls.cpp    the calls from compiled code (Applier, call_direct);
+//   calls.cpp    the calls from compiled code (Applier, direct);
 //   module.cpp   this file: the Python module.
 
 #include "capture.h"
@@ -32,8 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pop_replay", &compiled_autograd_native::pop_replay);
   m.def("pyobj_held_by_tensor", &compiled_autograd_native::pyobj_held_by_tensor);
   m.def(
-      "call_direct",
-      &compiled_autograd_native::call_direct,
+      "direct",
+      &compiled_autograd_native::direct,
       py::arg("slot"),
       py::arg("args"),
       py::arg("meta"),
