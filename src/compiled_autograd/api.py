@@ -23,7 +23,7 @@ import torch.autograd
 
 from . import calls
 from . import config as _config
-from .replay.entries import CACHE
+from .cache.memory import CACHE
 from .config import BackendLike, Config
 from .compile import background as _background
 from .compile.background import synchronize

@@ -34,7 +34,7 @@ class NeedsOpaque(Exception):
 class LearnLayouts(Exception):
     """A capture made nodes opaque whose outputs' layouts no backward has shown (their trace
     failed): this backward runs in eager autograd to learn them, and the next is captured
-    (NOTE [Nodes made opaque by their trace], cache/learned.py)."""
+    (NOTE [Nodes made opaque by their trace], cache/learning.py)."""
 
     def __init__(self, idxs):
         super().__init__(f"{len(idxs)} nodes made opaque by the trace")

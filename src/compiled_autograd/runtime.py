@@ -1,11 +1,12 @@
-"""One backward call: collect -> look up -> (capture + compile) -> run -> apply.
+"""One backward call, through the package's stages in order:
 
-The lifecycle of a backward, named as the code names it:
-  collect  the native walker visits the graph in engine order and builds the key
-  capture  on a miss: trace the whole backward into one FX graph (capture/trace.py)
-  compile  hand that graph to the backend (compile/backends.py), store it (replay/entries.py)
-  replay   run the compiled graph on the lifted tensors, then apply its outputs
-           with eager semantics (AccumulateGrad itself) and free the graph.
+  walk/     the native walk in the engine's order: node rows, the key, the lifted tensors
+  cache/    the look-up: the compiled entries by key (cache/memory.py)
+  capture/  a miss: its one owner (capture/miss.py) gets the graph -- disk, package, capture,
+            compile -- and installs it once it ran
+  replay/   the graph run on the lifted tensors (a call may stop it: capture/resumed.py goes on
+            in eager's order), its results applied with eager's semantics, the graph freed
+
 Anything this path does not handle runs in eager autograd instead, counted in
 `stats().eager_fallbacks` with its reason.
 """
@@ -18,11 +19,9 @@ from collections import Counter
 from typing import Any, Callable, Sequence
 
 from . import native
-from .cache import disk as diskcache
-from .cache import learned
-from .cache.dynamic import plan_capture
-from .replay.entries import CACHE
-from .compile import background, child, package, repro, share
+from .cache import learning
+from .cache.memory import CACHE
+from .compile import background, repro, share
 from .config import Config
 from .errors import BackendOutputError, CompiledAutogradError, Fallback, LearnLayouts, OpaqueSubclasses
 from .observe import captures, reasons
@@ -30,8 +29,6 @@ from .observe.stats import LOCK, STATS
 from .replay.run import GCPause, apply, check_outputs, run_graph
 from .values import BOXED, CacheKey
 from .errors import Unkeyable
-from .nodes.function import CHURN_LIMIT, note_capture
-from .nodes.learned import LEARNED
 from .nodes.saved_tensors import Learn
 from .walk.collect import collect
 from .walk.precheck import global_state, opaque_subclasses, precheck
@@ -72,7 +69,7 @@ REFUSALS = _Refusals()
 def reset_runtime() -> None:
     REFUSALS.clear()
     captures.reset()
-    learned.reset()
+    learning.reset()
     background.reset()
 
 
@@ -163,7 +160,7 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
         pause.resume()
         if reason is not None:
             return _fall_back(cfg, reason, eager, user_error)
-        return learned.learn_in_eager(collected, eager)
+        return learning.learn_in_eager(collected, eager)
 
     key = CacheKey(cfg.backend_key, global_state(collected.subclasses), cfg.opaque, create_graph, collected.key)
     reason = REFUSALS.unsupported.get(key) if REFUSALS.unsupported else None
@@ -181,12 +178,12 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
         pause.resume()
         return _fall_back(cfg, reason, eager)
     if fam is None and not create_graph:
-        watch = learned.opaque_outputs_to_learn(cfg, key, collected)
+        watch = learning.opaque_outputs_to_learn(cfg, key, collected)
         if watch:  # NOTE [Layouts of call outputs] (calls/kernel.py)
             collected = None
             capture.clear()
             pause.resume()
-            return learned.learn_node_layouts(key, watch, eager)
+            return learning.learn_node_layouts(key, watch, eager)
     capture.grad_mode = create_graph  # AccumulateGrad applies the results as under create_graph
     run = _OneBackward(cfg, key, fam, collected, capture, keep_graph, create_graph)
     del collected  # (the run holds the lifted tensors, and lets go of them before applying)
@@ -263,80 +260,30 @@ class _OneBackward:
         self.observed: dict = {}  # NOTE [Layouts of call outputs] (calls/kernel.py)
 
     def miss(self, pause):
-        """Capture (or load) and compile, run once, cache."""
-        from .capture.stored import entry_from_disk  # (a hit never imports tracing; a graph from disk, neither)
+        """A graph we do not have yet (NOTE [A miss], capture/miss.py): got, run once, installed."""
+        from .capture.miss import Miss  # (a hit never imports tracing)
 
-        cfg, key, fam, collected = self.cfg, self.key, self.fam, self.collected
         pause.resume()  # tracing and compiling make garbage cycles
-        mask, reason = plan_capture(cfg, fam, collected)
-        reason = learned.next_reason(key, reason)
-        if self.create_graph:
-            mask, reason = None, reason + (" (create_graph=True: static shapes)" if mask else " (create_graph=True)")
-        layouts = LEARNED.layouts.of(key)
-        pkey = diskcache.portable_key(key, collected.sizes, layouts) if cfg.disk_cache and mask is None and not self.create_graph else None
-        record = diskcache.load(pkey) if pkey is not None else None
-        # NOTE [Compiled graphs loaded without inductor] (compile/package.py): read before anything imports inductor
-        slot = diskcache.package_slot(pkey, package.fingerprint(cfg)) if pkey is not None else None
-        packaged = package.load(slot, record["graph"]) if record is not None and slot is not None else None
-        fingerprint = child.fingerprint(cfg) if pkey is not None and packaged is None and child.applies_to(cfg) else None
-        if record is not None:
-            # NOTE [A graph known compiled] (cache/disk.py): loaded at once where a process compiled it before
-            warm = fingerprint is not None and diskcache.known_compiled(pkey, fingerprint) and child.caches_present()
-            # (a disk hit computes nothing)
-            entry, first = entry_from_disk(cfg, collected, key, record, reason, warm, packaged, slot if warm else None), None
-            if not warm and fingerprint is not None:
-                background.mark_when_compiled(entry, diskcache.compiled_marker(pkey, fingerprint), slot)
-            pkey = None  # already stored
-        else:
-            from .capture.entry import capture_and_compile
-
-            try:
-                history = tuple(e.sizes for e in fam.entries()) if fam is not None else ()
-                got = capture_and_compile(cfg, collected, key, mask, reason, history, self.create_graph, layouts)
-            except LearnLayouts:
-                raise
-            except Exception:
-                if mask is None or cfg.fullgraph:
-                    raise
-                log.info("dynamic capture failed, capturing static shapes", exc_info=True)
-                got = capture_and_compile(cfg, collected, key, None, reason + "; dynamic capture failed", layouts=layouts)
-            entry, first = got.entry, got.results
-            del got
+        m = Miss(self.cfg, self.key, self.fam, self.collected, self.create_graph)
+        entry, first = m.graph()
         self.entry = entry
         resume = None
         try:
-            self.extra = entry.dynamic.extra_args(collected.sizes) if entry.dynamic else []
+            self.extra = entry.dynamic.extra_args(self.collected.sizes) if entry.dynamic else []
             if first is not None:
                 # NOTE [Recording on the real tensors] (capture/record.py): the record ran this
                 # backward; the entry's function has not run yet (its first run is checked)
                 results, self.recorded = first, True
                 del first
             else:
-                resume = _Resume(entry, collected)
-                results = run_graph(entry, self.capture, self.lifted, self.extra, collected.hooks, free_on_failure=not self.keep_graph,
+                resume = _Resume(entry, self.collected)
+                results = run_graph(entry, self.capture, self.lifted, self.extra, self.collected.hooks, free_on_failure=not self.keep_graph,
                                     observed=self.observed, keep_graph=self.keep_graph, resume=resume)
                 self.recorded = resume.stopped is not None  # (its results are the resumed steps': not the function's)
         except BaseException:
-            background.start_compile_of(entry, run=False)
+            m.failed(entry)
             raise
-        resumed = resume is not None and resume.stopped is not None
-        if self.observed and learned.learn_layouts(key, self.observed, copied=not resumed):
-            # (not cached: the next backward captures again, in the layouts seen)
-            background.start_compile_of(entry, run=False)
-            pkey = None
-        else:
-            CACHE.family(key, create=True).add(entry)  # only graphs that ran
-        CACHE.evict(cfg.cache_size_limit)
-        if record is None and collected.pynodes:
-            for name in note_capture(collected):
-                warnings.warn(f"compiled_autograd: {name}'s ctx values (or the Python state its backward reads) "
-                              f"changed in more than {CHURN_LIMIT} captures; it now runs as is, opaquely, instead of "
-                              "a new capture per value (NOTE [Functions whose values change every step])", stacklevel=6)
-        if pkey is not None and entry.dynamic is None:
-            diskcache.store(pkey, entry)
-            if fingerprint is not None:  # NOTE [A graph known compiled] (cache/disk.py)
-                background.mark_when_compiled(entry, diskcache.compiled_marker(pkey, fingerprint), slot)
-        background.start_compile_of(entry)  # NOTE [Background compile]
+        m.install(entry, self.observed, resumed=resume is not None and resume.stopped is not None)
         return results
 
     def hit(self):
@@ -367,7 +314,7 @@ class _OneBackward:
                                 observed=self.observed, keep_graph=self.keep_graph, resume=resume)
         if resume.stopped is not None:  # NOTE [A call output not as traced] (capture/resume.py)
             self.recorded = True  # (the resumed steps' results: not the function's, not checked)
-        if self.observed and learned.learn_layouts(self.key, self.observed, copied=resume.stopped is None):
+        if self.observed and learning.learn_layouts(self.key, self.observed, copied=resume.stopped is None):
             self.fam.remove(entry)  # the next backward captures again, with what was seen
         return results
 
@@ -391,12 +338,12 @@ class _OneBackward:
                     f"needs in the forward, or run this backward without compiled_autograd. ({e})"
                 ) from e
             raise e
-        if isinstance(e, LearnLayouts):  # NOTE [Nodes made opaque by their trace] (cache/learned.py)
+        if isinstance(e, LearnLayouts):  # NOTE [Nodes made opaque by their trace] (cache/learning.py)
             watch = [(i, capture.node_object(i)) for i in e.idxs]
             self.lifted = self.collected = None
             capture.clear()
             pause.resume()
-            return learned.learn_node_layouts(key, watch, eager)
+            return learning.learn_node_layouts(key, watch, eager)
         self.lifted = self.collected = None  # (eager frees the saved tensors as it goes)
         capture.clear()
         pause.resume()

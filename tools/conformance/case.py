@@ -69,7 +69,7 @@ def _graph_nodes() -> list[str]:
 def _cached_pairs() -> list[tuple[Any, Any]]:
     """(cache key or None, entry) for every cached graph, oldest first."""
     try:
-        from compiled_autograd.replay.entries import CACHE
+        from compiled_autograd.cache.memory import CACHE
 
         if hasattr(CACHE, "items"):  # key -> family of entries
             return [(k, e) for k, fam in CACHE.items() for e in fam.entries()]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..config import Config
 from ..observe.captures import node_keys
-from ..replay.entries import CACHE
+from ..cache.memory import CACHE
 
 
 def _eligible(collected) -> list[bool]:

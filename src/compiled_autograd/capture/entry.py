@@ -8,12 +8,12 @@ import time
 from types import SimpleNamespace
 from typing import NamedTuple
 
-from ..replay.entries import CompiledBackward, Dynamic
+from ..cache.memory import CompiledBackward, Dynamic
 from ..compile.background import compile_in_background
 from ..compile import backends, repro
 from ..compile.backends import may_steal
 from ..config import Config
-from ..nodes import builtin, compiled_region
+from ..nodes import compiled_region
 from ..nodes.learned import LEARNED
 from ..errors import Fallback, LearnLayouts
 from ..observe.captures import describe_dynamic, log_capture, node_keys
@@ -82,7 +82,7 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
     if captured.results is None:
         # (a live record's results are this backward's: it ran; it makes no node opaque)
         unseen = LEARNED.layouts.unlearned_opaque(key, [o for o in captured.plan.opaque if _untraced_user_function(collected, *o)])
-        if unseen:  # NOTE [Nodes made opaque by their trace] (cache/learned.py)
+        if unseen:  # NOTE [Nodes made opaque by their trace] (cache/learning.py)
             raise LearnLayouts(unseen)
     vjp, how = None, None
     if create_graph:

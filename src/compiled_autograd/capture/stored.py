@@ -14,7 +14,7 @@ from ..config import Config
 from ..observe.captures import log_capture
 from ..observe.logs import compile_status
 from ..observe.stats import LOCK, STATS
-from ..replay.entries import CompiledBackward
+from ..cache.memory import CompiledBackward
 from ..replay.validate import expected_outputs
 
 log = logging.getLogger("compiled_autograd")

@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Callable, NamedTuple
 
-from ..replay.entries import CACHE, CompiledBackward
+from ..cache.memory import CACHE, CompiledBackward
 from .. import config
 from ..config import Config
 from ..values import PackageSlot

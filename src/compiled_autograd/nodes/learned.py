@@ -8,7 +8,7 @@
            values change every step] in nodes/function.py)
   layouts  how call outputs and opaque nodes' outputs were laid out at run time (NOTE [Layouts
            of call outputs] in calls/kernel.py; NOTE [Nodes made opaque by their trace] in
-           cache/learned.py, which runs the backwards that learn them)
+           cache/learning.py, which runs the backwards that learn them)
 """
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ class Layouts:
 
     def unlearned_opaque(self, key, opaque) -> list:
         """Of Plan.opaque's rows `opaque`, the nodes no learning backward of this key watched
-        yet (NOTE [Nodes made opaque by their trace] in cache/learned.py)."""
+        yet (NOTE [Nodes made opaque by their trace] in cache/learning.py)."""
         seen = self.watched.get(key, ())
         return [i for i, _, _ in opaque if i not in seen]
 

@@ -15,7 +15,7 @@ from ..values import BOXED
 from ..nodes import SLOT_KINDS
 from ..nodes.state import read_state, state_reads
 from .differentiable import DifferentiableGraph
-from .entries import CACHE, CompiledBackward
+from ..cache.memory import CACHE, CompiledBackward
 from .validate import backend_output_error, mismatches
 
 
