@@ -14,6 +14,7 @@ Anything this path does not handle runs in eager autograd instead, counted in
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from collections import Counter
 from typing import Any, Callable, Sequence
@@ -165,6 +166,8 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
     key = CacheKey(cfg.backend_key, global_state(collected.subclasses), cfg.opaque, create_graph, collected.key)
     reason = REFUSALS.unsupported.get(key) if REFUSALS.unsupported else None
     fam = CACHE.family(key)
+    if reason is None and fam is not None and fam.payback.verdict and not cfg.fullgraph:
+        reason = fam.payback.verdict  # NOTE [A compiled graph slower than eager] (cache/memory.py)
     if create_graph and reason is None and fam is None:
         # (hooks, opaque nodes and saved-tensor hooks are in the key: checked once per key)
         from .capture.entry import create_graph_unsupported
@@ -194,12 +197,20 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
         pause.resume()
         with LOCK:
             STATS.eager_while_compiling += 1
-        return eager()
+        t0 = time.perf_counter()
+        out = eager()
+        fam.payback.note_eager(time.perf_counter() - t0)  # (this run's eager baseline: NOTE [A compiled graph slower than eager])
+        return out
+    timed = run.entry is not None and not cfg.fullgraph and fam.payback.judging(run.entry)
+    t0 = time.perf_counter()
     try:
         results = run.hit() if run.entry is not None else run.miss(pause)
     except Exception as e:
         return run.failed(e, eager, pause)
-    return run.finish(results, accumulate_grad, allow_unused)
+    out = run.finish(results, accumulate_grad, allow_unused)
+    if timed and fam.payback.note_compiled(time.perf_counter() - t0):
+        log.info("%s", fam.payback.verdict)
+    return out
 
 
 def _collect(capture, keep_graph, create_graph):

@@ -92,12 +92,58 @@ class CompiledBackward:
         return self.fn(*args)
 
 
+class Payback:
+    """NOTE [A compiled graph slower than eager]
+    A compile pays back only where the compiled backward is faster than eager's, which on a CPU
+    it need not be (a backward of matmuls and oneDNN convolutions is the same kernels either
+    way, and the compiled one adds its calls). While a graph compiles in the background its
+    backwards run in eager autograd (NOTE [Steps while a graph compiles]): their times are
+    this run's own eager baseline. Once the compiled graph is in use, its backwards are timed
+    too (the first left out: its first run's page faults); after SAMPLES of them, where the
+    median is above MARGIN times eager's median, the graph is set aside: the key's backwards run
+    in eager autograd from then on, counted with the two times as the reason ("slower than
+    eager": stats(), explain()). A graph compiled at once (no background compile, a graph
+    loaded compiled) has no baseline and is kept."""
+
+    SAMPLES = 5
+    MARGIN = 1.05
+
+    def __init__(self):
+        self.eager: list = []
+        self.compiled: list = []
+        self.verdict: str | None = None  # why the key runs in eager, once decided
+
+    def note_eager(self, seconds: float) -> None:
+        if len(self.eager) < 64:
+            self.eager.append(seconds)
+
+    def judging(self, entry) -> bool:
+        """Whether this hit of `entry` is timed."""
+        return self.verdict is None and entry.compiled and len(self.eager) >= 3 and len(self.compiled) <= self.SAMPLES
+
+    def note_compiled(self, seconds: float) -> bool:
+        """A compiled backward's time; True when it decided that the graph is slower than eager."""
+        self.compiled.append(seconds)
+        if len(self.compiled) <= self.SAMPLES:  # (the first is left out: it decides after SAMPLES more)
+            return False
+        import statistics
+
+        eager, compiled = statistics.median(self.eager), statistics.median(self.compiled[1:])
+        if compiled > self.MARGIN * eager:
+            self.verdict = (f"the compiled graph is slower than eager in this run ({1e3 * compiled:.2f} ms a backward against "
+                            f"eager's {1e3 * eager:.2f} ms): its backwards run in eager (NOTE [A compiled graph slower than eager])")
+            return True
+        self.verdict = ""
+        return False
+
+
 class Family:
     """The compiled graphs of one key."""
 
     def __init__(self):
         self.static: OrderedDict[tuple, CompiledBackward] = OrderedDict()
         self.dynamic: list[CompiledBackward] = []
+        self.payback = Payback()
 
     def lookup(self, sizes: tuple, lifted) -> tuple[CompiledBackward | None, list]:
         entry = self.static.get(sizes)

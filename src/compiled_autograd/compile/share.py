@@ -28,22 +28,31 @@ log = logging.getLogger("compiled_autograd")
 #     whole process group: g++ too) is stopped (SIGSTOP), so it costs the steps nothing, and
 #     each backward gives it a slice of its own: the training thread sleeps while the child runs
 #     (SIGCONT ... SIGSTOP), alone on the machine, for what the budget owes it.
-# The budget is a ski-rental: a compile costs a fixed amount of CPU and pays back only over
-# the steps after it, and how long the run will last is unknown. Until training has run
-# `SHORT_S` seconds since the compile started, the child is owed SHORT_SHARE of the time,
-# none (a short run pays no more than noise); from then on, the run has shown it is long, and
-# it is owed LONG_SHARE of the time until the compile is done (the ~13 s of a cold inductor
-# compile then land within about a minute). A backward that is not a step of this training
-# (no backward for IDLE_S: the process does something else) lets the child run free again.
-# `stats()`/`explain()` say how much of a CPU the compile got while it was pending.
+# The budget: a compile costs a fixed amount of CPU and pays back only over the steps after
+# it, and how long the run will last is unknown, so it is never let to make training slower
+# than a bounded share. Until training has run `after()` seconds since the compile started, the
+# child is owed nothing (a short run pays no more than noise); from then on each step earns it
+# share()/(1 - share()) of that step's own time, so that in any run of steps the child has at
+# most share() of the time: 10% by default, every window of 10 steps within 1.1x eager's plus
+# one slice carried in (issue 47: never above 1.2x while compiling). Owed time is given as soon
+# as it is worth a slice (MIN_SLICE), and never more than MAX_SLICE at once. A backward that is
+# not a step of this training (no backward for IDLE_S: the process does something else) lets the
+# child run free again. `stats()`/`explain()` say how much of a CPU the compile got while pending.
 FREE_RATE = 0.5  # CPU seconds per second below which the free child counts as starved
 FREE_WINDOW = 0.5  # seconds of a free child's run measured before it is judged
-SHORT_S = float(config.COMPILE_AFTER.read())  # (NOTE above)
-SHORT_SHARE = 0.0  # (2% cost the MLP's 60 steps 1.06x, and bought 0.3 s of compile)
-LONG_SHARE = float(config.COMPILE_SHARE.read())
-MIN_SLICE = 0.02  # seconds: a slice shorter than this is not worth the stop and the wake-up
-MAX_SLICE = 0.5
-IDLE_S = 1.0
+MIN_SLICE = 0.005  # seconds: a slice shorter than this is not worth the stop and the wake-up
+MAX_SLICE = 5.0  # (a safety: what a step earns is its own share, so slices stay short where steps are)
+IDLE_S = 10.0  # seconds without a backward after which the process is taken to do something else
+
+
+def after() -> float:
+    """Seconds of training before a starved compile is owed any time (read when used)."""
+    return float(config.COMPILE_AFTER.read())
+
+
+def share() -> float:
+    """The most of training's time a starved compile gets, from after() on (read when used)."""
+    return min(max(float(config.COMPILE_SHARE.read()), 0.0), 0.5)
 
 
 def _cpu_seconds(pgid: int) -> float:
@@ -76,8 +85,10 @@ class Share:
         self.sliced = False
         self.stopped = False
         self.paid = 0.0  # seconds the training thread waited for the child
+        self.earned = 0.0  # seconds the steps since after() earned it (step's time * share / (1 - share))
         self.window = (self.started, 0.0)  # (wall, cpu) where the current measure began
         self.cpu = 0.0
+        self.after, self.share = after(), share()
 
     # -- the child's state ---------------------------------------------------------------------
     def _signal(self, sig) -> None:
@@ -107,6 +118,8 @@ class Share:
         with self.lock:
             now = time.perf_counter()
             idle = now - self.seen > IDLE_S
+            if self.sliced and not idle and now - self.started >= self.after:  # (a step's time earns the child its share)
+                self.earned += (now - max(self.seen, self.started + self.after)) * self.share / (1.0 - self.share)
             self.seen = now
             if not self.sliced:
                 self._judge(now)
@@ -124,6 +137,7 @@ class Share:
             if self.sliced:
                 self._stop()
             self.paid += slice_s
+            self.seen = time.perf_counter()  # (the slice is not training's time: it earns nothing)
 
     def _judge(self, now) -> None:
         """A free child's rate over its last window: starved, it is sliced from now on."""
@@ -139,10 +153,8 @@ class Share:
             self._stop()
 
     def owed(self, now) -> float:
-        """What the budget owes the child now (the ski-rental above)."""
-        elapsed = now - self.started
-        budget = SHORT_SHARE * min(elapsed, SHORT_S) + LONG_SHARE * max(0.0, elapsed - SHORT_S)
-        return budget - self.paid
+        """What the budget owes the child now (above): what the steps earned it, less what it had."""
+        return self.earned - self.paid
 
     def wait_tick(self) -> None:
         """Called by the thread that waits for the child: no step for IDLE_S lets it run free."""
@@ -190,8 +202,8 @@ def current() -> Share | None:
 
 def advice() -> str:
     """What a user can do about a compile that lands late."""
-    return (f"sooner: COMPILED_AUTOGRAD_COMPILE_SHARE={LONG_SHARE:g} of the time after COMPILED_AUTOGRAD_COMPILE_AFTER="
-            f"{SHORT_S:g} s of training (raise it, or lower the wait); ca.synchronize() waits; an idle core compiles it free")
+    return (f"sooner: COMPILED_AUTOGRAD_COMPILE_SHARE={share():g} of the time after COMPILED_AUTOGRAD_COMPILE_AFTER="
+            f"{after():g} s of training (raise it, or lower the wait); ca.synchronize() waits; an idle core compiles it free")
 
 
 def status() -> str:

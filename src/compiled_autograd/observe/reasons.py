@@ -40,6 +40,8 @@ FALLBACKS = (
          ("non-strided", "without data", "saved-tensor hook returned", "sparse", "meta tensor", "layout", "data arrives")),
     Kind("create_graph", "create_graph=True with what its graphs cannot take (hooks, opaque nodes, saved-tensor hooks, "
          "a node eager cannot differentiate twice)", ("create_graph=True",)),
+    Kind("slower than eager", "its compiled graph ran slower than eager's backward in this run (NOTE [A compiled graph slower "
+         "than eager], cache/memory.py)", ("slower than eager",)),
     Kind("capture failed", "capturing, compiling or first running the graph raised (after two, the key is not traced again)", ()),
 )
 
