@@ -553,3 +553,42 @@ def test_a_background_compile_sees_the_inductor_config_the_training_thread_set(m
     assert ca.synchronize(60)
     assert seen == [(7, None)], seen
     _hit_matches_eager(net)  # (the "compiled" graph: the traced one, which the recorder returned)
+
+
+_SHARES_A_COMPILE = """
+import sys, time, torch, compiled_autograd as ca
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+for step in range(2000):
+    x = torch.randn(16, 32)
+    with ca.enable("inductor"):
+        m(x).square().sum().backward()
+    if step > 2 and ca.stats().compiles_pending == 0:
+        break
+    time.sleep(0.02)
+ca.synchronize()
+s = ca.stats()
+print("stats", s.child_compiles, s.shared_compiles, s.compile_failures)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_two_processes_on_one_machine_share_one_compile(tmp_path):
+    """NOTE [One compile per machine]: two processes (the ranks of a job) capture the same graph at
+    once, on the same caches: one compiles it in its child, the other waits for that compile and
+    loads it (a counter in each); neither fails."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, COMPILED_AUTOGRAD_GRAPH_DIR=str(tmp_path / "graphs"), COMPILED_AUTOGRAD_DISK_CACHE="1",
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), COMPILED_AUTOGRAD_CHILD_NICE="0",
+               COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="0")
+    procs = [subprocess.Popen([sys.executable, "-c", _SHARES_A_COMPILE], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=900) for p in procs]
+    counts = []
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        counts.append(tuple(int(v) for v in out.split("stats", 1)[1].split()))
+    assert sorted(counts) == [(0, 1, 0), (1, 0, 0)], counts  # (child compiles, shared compiles, failures)

@@ -19,7 +19,7 @@ from ..values import PackageSlot
 from ..observe.logs import compile_status
 from ..observe.stats import LOCK, STATS
 from . import backends, boxed
-from . import child, package, share
+from . import child, claims, package, share
 from .child import exiting
 from . import torch_patches
 from .torch_patches import in_background
@@ -131,6 +131,26 @@ def package_later(graph, plan, inputs, slot: PackageSlot | None, patches) -> Non
     _wait_at_exit.register()
 
 
+def _compiled_elsewhere(claim: str, marker) -> bool:
+    """NOTE [One compile per machine]: True where another process compiled the graph while this
+    one waited (a child left by an earlier one adopted meanwhile); False once this process holds
+    the claim, to compile it itself."""
+    while not claims.take(claim):
+        pid = claims.adopt(claim)
+        adopted = share.started(pid) if pid is not None else None
+        try:
+            done = claims.wait_for(claim, marker, tick=adopted.wait_tick if adopted is not None else None)
+        finally:
+            if adopted is not None:
+                adopted.release()
+                share.ended(adopted)
+        if done:
+            with LOCK:
+                STATS.shared_compiles += 1
+            return True
+    return False
+
+
 def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, what: str, logged: dict, redo_dynamic=None) -> None:
     # `example`: fake tensors only, or a child.Described that makes them in the thread; the thread
     # must not keep the user's tensors alive;
@@ -150,9 +170,11 @@ def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, wh
                     with LOCK:
                         marker, slot = _when_compiled.pop(id(entry), WhenCompiled(None, None))
                     if child.applies(cfg.backend, is_dynamic):  # NOTE [Compiling in a child process]
-                        in_child = child.compile_in_child(graph, example, cfg.inductor_patches, marker)
-                        with LOCK:
-                            STATS.child_compiles += int(in_child)
+                        claim = claims.path_of(marker)  # NOTE [One compile per machine] (compile/claims.py)
+                        if claim is None or not _compiled_elsewhere(claim, marker):
+                            in_child = child.compile_in_child(graph, example, cfg.inductor_patches, marker, claim)
+                            with LOCK:
+                                STATS.child_compiles += int(in_child)
                     inputs = example() if callable(example) else example
                     fn = backends.compile_graph(cfg.backend, boxed.plain_module(graph), inputs, dynamic=is_dynamic, patches=cfg.inductor_patches)
             finally:

@@ -17,7 +17,7 @@ import time
 import torch
 
 from .. import config
-from . import share
+from . import claims, share
 
 log = logging.getLogger("compiled_autograd")
 
@@ -257,10 +257,12 @@ def _decode_graph(encoded: dict) -> torch.fx.GraphModule:
 
 
 
-def compile_in_child(gm: torch.fx.GraphModule, example_inputs, patches: dict | None, marker=None) -> bool:
+def compile_in_child(gm: torch.fx.GraphModule, example_inputs, patches: dict | None, marker=None, claim=None) -> bool:
     """Compile the graph in a child process (NOTE [Compiling in a child process]); True when the
     child finished. Whatever happens, the caller compiles in-process next. `marker`: (disk key,
-    fingerprint) the child marks compiled when it is done (NOTE [A graph known compiled])."""
+    fingerprint) the child marks compiled when it is done (NOTE [A graph known compiled]);
+    `claim`: this process's claim of the compile, handed to the child (NOTE [One compile per
+    machine]), released when it ends here (the child releases it where it outlives us)."""
     try:
         payload = pickle.dumps(
             {
@@ -270,6 +272,7 @@ def compile_in_child(gm: torch.fx.GraphModule, example_inputs, patches: dict | N
                 "configs": _configs(),
                 "threads": torch.get_num_threads(),  # (inductor's key has the thread count)
                 "marker": marker,
+                "claim": claim,
             }
         )
     except Exception as e:  # a graph whose code cannot be pickled: compiled in-process only
@@ -279,7 +282,7 @@ def compile_in_child(gm: torch.fx.GraphModule, example_inputs, patches: dict | N
         fd, path = tempfile.mkstemp(prefix="compiled_autograd_graph_", suffix=".pkl")
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
-        return _run_child(path)  # (the child removes the file once it has read it)
+        return _run_child(path, claim)  # (the child removes the file once it has read it)
 
 
 # The child lowers its priority first, before it imports torch and this package (3.7 s of CPU
@@ -316,7 +319,7 @@ def _child_env() -> dict:
     return env
 
 
-def _run_child(path: str) -> bool:
+def _run_child(path: str, claim=None) -> bool:
     env = _child_env()
     t0 = time.perf_counter()
     err = tempfile.TemporaryFile()  # (a file, not a pipe: a child left to finish after exit writes to no one)
@@ -333,7 +336,9 @@ def _run_child(path: str) -> bool:
         log.debug("no child compile: %s", e)
         _unlink(path)
         return False
+    claims.hand_to(claim, proc.pid)
     shared = share.started(proc.pid)
+    left = False
     try:
         # (a loop of short waits: a cancel at exit, raised between bytecodes, gets here)
         while True:
@@ -344,12 +349,15 @@ def _run_child(path: str) -> bool:
                 shared.wait_tick()
     except BaseException:
         shared.release()
-        if not _left_to_finish(proc):
+        left = _left_to_finish(proc)
+        if not left:
             _kill(proc)
             _unlink(path)
         raise
     finally:
         share.ended(shared)
+        if not left:
+            claims.release(claim)
     if proc.returncode != 0:
         err.seek(0)
         tail = err.read().decode(errors="replace").strip().splitlines()[-3:]
@@ -407,7 +415,7 @@ def _left_to_finish(proc) -> bool:
     return True
 
 
-def _watch_parent(limit: float) -> None:
+def _watch_parent(limit: float, claim=None) -> None:
     """In the child: once the training process is gone, finish within `limit` seconds, and only
     while the machine has room for it (at least FREE_RATE of a CPU over each window: another
     job that keeps the cores busy would pay for a child it does not know of, NOTE [The
@@ -419,12 +427,16 @@ def _watch_parent(limit: float) -> None:
             time.sleep(1.0)
         deadline = time.perf_counter() + limit
         before = share._cpu_seconds(os.getpgrp())
-        while time.perf_counter() < deadline:
+        while True:
             time.sleep(share.FREE_WINDOW * 2)
             now = share._cpu_seconds(os.getpgrp())
-            if now - before < share.FREE_RATE * share.FREE_WINDOW * 2:
+            if claim and claims.adopted(claim):  # (a process that adopted it gives it its share: NOTE [One compile per machine])
+                before = now
+                continue
+            if time.perf_counter() > deadline or now - before < share.FREE_RATE * share.FREE_WINDOW * 2:
                 break
             before = now
+        claims.release(claim)
         os.killpg(0, signal.SIGKILL)
 
     threading.Thread(target=watch, daemon=True).start()
@@ -458,10 +470,10 @@ def package_after_exit(jobs: list):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    _watch_parent(FINISH_AFTER_EXIT)
     with open(argv[0], "rb") as f:
         payload = pickle.load(f)
     _unlink(argv[0])
+    _watch_parent(FINISH_AFTER_EXIT, payload.get("claim"))
     torch.set_num_threads(payload["threads"])
     for name, saved in payload["configs"].items():
         import importlib
@@ -491,6 +503,7 @@ def main(argv=None) -> int:
         compile_inductor(gm, fakes, False, payload["patches"])
     if payload.get("marker") is not None:  # (a child left to finish after exit: nobody else will)
         write_marker(*payload["marker"])
+    claims.release(payload.get("claim"))
     return 0
 
 

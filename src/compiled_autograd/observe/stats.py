@@ -33,6 +33,8 @@ class Stats:
     child_compiles:  background compiles first done by a child process, whose result the
                      training process loaded from inductor's caches (NOTE [Compiling in a child
                      process] in compile/child.py)
+    shared_compiles: background compiles another process made while this one waited for it
+                     (NOTE [One compile per machine] in compile/claims.py)
     packages_loaded: graphs loaded from the disk cache with their compiled package, no
                      inductor imported (NOTE [Compiled graphs loaded without inductor] in
                      compile/package.py)
@@ -67,6 +69,7 @@ class Stats:
     compiles_pending: int = 0
     compile_failures: int = 0
     child_compiles: int = 0
+    shared_compiles: int = 0
     packages_loaded: int = 0
     layout_copies: int = 0
     layout_resumes: int = 0
