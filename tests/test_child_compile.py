@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import compiled_autograd as ca
-from compiled_autograd.compile import backends, child
+from compiled_autograd.compile import backends, child, payload
 
 
 def _model():
@@ -72,7 +72,7 @@ def _captured_graph():
 
 def test_graph_travels_with_its_names_and_code():
     gm, _ = _captured_graph()
-    back = child._decode_graph(pickle.loads(pickle.dumps(child._encode_graph(gm))))
+    back = payload.decode_graph(pickle.loads(pickle.dumps(payload.encode_graph(gm))))
     # inductor's and AOTAutograd's cache keys read the module's pickled state: its code
     # (node names included), its tracer class, its class name
     mine, theirs = gm.__reduce__()[1][0], back.__reduce__()[1][0]
@@ -85,7 +85,7 @@ def test_inputs_travel_with_their_geometry_and_aliases():
     base = torch.randn(6, 4)
     values = [base, base[1:].t(), torch.zeros(3, dtype=torch.int64).requires_grad_(False), 7,
               torch.randn(2, requires_grad=True)]
-    back = child.fakes_of(pickle.loads(pickle.dumps(child.describe(values))))
+    back = payload.fakes_of(pickle.loads(pickle.dumps(payload.describe(values))))
     for v, b in zip(values, back):
         if isinstance(v, torch.Tensor):
             assert (b.shape, b.stride(), b.storage_offset(), b.dtype, b.requires_grad, b.device) == (
@@ -104,7 +104,7 @@ def test_inputs_keep_their_device():
     child compiles the graph the training process will, under the same cache key."""
     described = [("tensor", (4, 3), (3, 1), 0, torch.float32, "cuda:0", True, 0, 48),
                  ("tensor", (3, 4), (1, 3), 0, torch.float32, "cuda:0", False, 0, 48)]
-    a, b = child.fakes_of(described)
+    a, b = payload.fakes_of(described)
     assert a.device == b.device == torch.device("cuda:0")
     assert a.requires_grad and not b.requires_grad and b.stride() == (1, 3)
     assert a.untyped_storage()._cdata == b.untyped_storage()._cdata
@@ -505,7 +505,7 @@ def test_a_package_not_written_by_this_user_or_whose_outputs_differ_is_not_used(
     from compiled_autograd.values import PackageSlot, Plan
 
     gm = torch.fx.symbolic_trace(lambda a, b: [torch.ops.aten.t.default(torch.ops.aten.mul.Tensor(a, b))])
-    described = child.describe([torch.randn(2, 3), torch.randn(2, 3)])
+    described = payload.describe([torch.randn(2, 3), torch.randn(2, 3)])
     plan = Plan(slots=(), accumulate=(), captured=(), opaque=(), num_results=1)
     assert package.eligible(gm, described, plan)
     assert not package.eligible(gm, described, Plan(slots=(), accumulate=(), captured=(), opaque=(), num_results=1, held=(0,)))

@@ -18,6 +18,7 @@ import torch
 
 from .. import config
 from . import claims, share
+from .payload import Described, decode_graph, describe, encode_graph, fakes_of
 
 log = logging.getLogger("compiled_autograd")
 
@@ -104,72 +105,6 @@ def caches_present() -> bool:
     return bool(cache) and os.path.isdir(os.path.join(cache, "fxgraph"))
 
 
-def describe(values) -> list:
-    """The example inputs as the child rebuilds them: each tensor's geometry and which storage
-    it shares with the others (an alias is an alias in the child too), the rest as is."""
-    storages: dict = {}
-    out = []
-    for v in values:
-        if not isinstance(v, torch.Tensor):
-            out.append(("value", v))
-            continue
-        st = v.untyped_storage()
-        key = id(st) if not hasattr(st, "_cdata") else st._cdata
-        index = storages.setdefault(key, (len(storages), st.nbytes()))[0]
-        out.append(
-            (
-                "tensor",
-                tuple(v.shape),
-                tuple(v.stride()),
-                v.storage_offset(),
-                v.dtype,
-                str(v.device),
-                bool(v.requires_grad),
-                index,
-                storages[key][1],
-            )
-        )
-    return out
-
-
-class Described:
-    """Tensors by their geometry (`describe`), without a reference to them: what the child gets
-    as it is, and static fakes when called (made as the child makes them, so that the
-    in-process compile after the child's finds its result in the caches)."""
-
-    def __init__(self, tensors):
-        self.described = describe(tensors)
-
-    def __call__(self) -> list:
-        return fakes_of(self.described)
-
-
-def fakes_of(described) -> list:
-    """Static fakes of the described tensors, in a mode with a ShapeEnv (as `static_fakes`
-    makes them): each on its device, sharing a storage where the tensors did, and taking no
-    memory on any device. (They were once rebuilt as real CPU tensors and fakeified: the fake
-    of a CUDA tensor was then a CPU one, so the child compiled a CPU graph, under another cache
-    key, and the training process compiled the CUDA graph again itself, holding the GIL.)"""
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    mode = FakeTensorMode(shape_env=ShapeEnv())
-    storages: dict = {}
-    values = []
-    for d in described:
-        if d[0] == "value":
-            values.append(d[1])
-            continue
-        _, shape, stride, offset, dtype, device, requires_grad, index, nbytes = d
-        st = storages.get(index)
-        if st is None:
-            st = storages[index] = torch.UntypedStorage(max(nbytes, 1), device="meta")
-        meta = torch.empty(0, dtype=dtype, device="meta").set_(st, offset, shape, stride)
-        f = FakeTensor(mode, meta, torch.device(device))
-        values.append(f.requires_grad_(True) if requires_grad else f)
-    return values
-
-
 def _configs() -> dict:
     """The configs whose values enter inductor's and AOTAutograd's cache keys, as the training
     process has them (the user's settings, our tests' settings)."""
@@ -194,67 +129,10 @@ def _cache_dir() -> str | None:
         return None
 
 
-def _encode_target(target):
-    if isinstance(target, torch._ops.OpOverload):
-        return ("op", target.namespace, target._opname, target._overloadname)
-    if isinstance(target, torch._ops.HigherOrderOperator):
-        return ("hop", target.name())
-    return ("py", target)  # (pickled by reference: a module-level function)
+def _isa_patches() -> dict:
+    from .inductor import isa_patches
 
-
-def _decode_target(encoded):
-    if encoded[0] == "op":
-        _, namespace, name, overload = encoded
-        return getattr(getattr(getattr(torch.ops, namespace), name), overload)
-    if encoded[0] == "hop":
-        return getattr(torch.ops.higher_order, encoded[1])
-    return encoded[1]
-
-
-class _NodeRef:
-    __slots__ = ("name",)
-
-    def __init__(self, name):
-        self.name = name
-
-
-def _encode_graph(gm: torch.fx.GraphModule) -> dict:
-    """The graph node by node, its names kept: inductor's cache keys read the graph's code, and
-    a GraphModule pickles as its code, which the other side re-traces under other names."""
-    nodes = []
-    for n in gm.graph.nodes:
-        if n.op == "get_attr":
-            raise ValueError("a graph with attributes")
-        ref = lambda a: _NodeRef(a.name)  # noqa: E731
-        args = torch.fx.node.map_arg(n.args, ref)
-        kwargs = torch.fx.node.map_arg(n.kwargs, ref)
-        target = _encode_target(n.target) if n.op == "call_function" else n.target
-        nodes.append((n.op, n.name, target, args, kwargs, n.type))
-    graph = gm.graph
-    return {
-        "class_name": type(gm).__name__,
-        "nodes": nodes,
-        "tracer": (getattr(graph, "_tracer_cls", None), getattr(graph, "_tracer_extras", None)),
-    }
-
-
-def _decode_graph(encoded: dict) -> torch.fx.GraphModule:
-    import torch.utils._pytree as pytree
-
-    tracer_cls, tracer_extras = encoded["tracer"]
-    graph = torch.fx.Graph(tracer_cls=tracer_cls, tracer_extras=tracer_extras)
-    env: dict = {}
-
-    def look(a):
-        return pytree.tree_map(lambda x: env[x.name] if isinstance(x, _NodeRef) else x, a,
-                               is_leaf=lambda x: isinstance(x, _NodeRef))
-
-    for op, name, target, args, kwargs, type_ in encoded["nodes"]:
-        target = _decode_target(target) if op == "call_function" else target
-        node = graph.create_node(op, target, tuple(look(list(args))), look(dict(kwargs)), name=name, type_expr=type_)
-        env[name] = node
-    return torch.fx.GraphModule({}, graph, class_name=encoded["class_name"])
-
+    return isa_patches()
 
 
 def compile_in_child(gm: torch.fx.GraphModule, example_inputs, patches: dict | None, marker=None, claim=None) -> bool:
@@ -266,13 +144,14 @@ def compile_in_child(gm: torch.fx.GraphModule, example_inputs, patches: dict | N
     try:
         payload = pickle.dumps(
             {
-                "graph": _encode_graph(gm),
+                "graph": encode_graph(gm),
                 "inputs": example_inputs.described if isinstance(example_inputs, Described) else describe(example_inputs),
                 "patches": patches or {},
                 "configs": _configs(),
                 "threads": torch.get_num_threads(),  # (inductor's key has the thread count)
                 "marker": marker,
                 "claim": claim,
+                "isa": _isa_patches(),  # (the parent's decision: NOTE [The machine's vector ISAs, probed once])
             }
         )
     except Exception as e:  # a graph whose code cannot be pickled: compiled in-process only
@@ -302,16 +181,12 @@ _BOOT = (
 )
 
 
-def _child_command(path: str) -> list:
-    return [sys.executable, "-c", _BOOT, path]
-
-
 def _child_env() -> dict:
     env = dict(os.environ)
     cache = _cache_dir()
     if cache:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache
-    env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # g++ as its own child, at its priority
+    env["TORCHINDUCTOR_COMPILE_THREADS"] = str(_compile_threads())  # (its g++ at its priority: NOTE [A compile worker started ahead])
     env["COMPILED_AUTOGRAD_CHILD_NICE"] = str(CHILD_NICENESS)
     # (the package as this process imported it, wherever that is)
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -319,19 +194,99 @@ def _child_env() -> dict:
     return env
 
 
+def _spawn(args: list, err, stdin=subprocess.DEVNULL):
+    # its own process group (NOTE [The compile's share of a busy machine]: stopped and continued
+    # with its g++), in this session: with the scheduler's autogroups (Linux), a new session is
+    # a new group that gets a fair share of the CPU against training's whatever its own
+    # priority: SCHED_IDLE then took half the CPU, and training's steps took 1 s for 40 ms
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+    return subprocess.Popen([sys.executable, "-c", _BOOT, *args], env=_child_env(), stdin=stdin, stdout=subprocess.DEVNULL,
+                            stderr=err, **group)
+
+
+# NOTE [A compile worker started ahead]
+# A compile child spends its first seconds importing torch, this package and inductor (5.6 s of
+# CPU on 2 cores), and, the first time on a machine, probing its vector ISAs (NOTE [The machine's
+# vector ISAs, probed once]). So the first inductor scope entered with a child compile ahead of it
+# starts one at once, at its low priority: it imports all that while the training process builds
+# its model and runs its first forward and backward, then waits for its graph (a path on its
+# stdin). Its kernels are compiled by as many workers as the machine has idle cores (inductor's
+# TORCHINDUCTOR_COMPILE_THREADS; one where training keeps the cores busy: more workers would be
+# more imports for the same CPU). A worker no graph came to is ended at exit.
+_worker = None
+_worker_tried = False
+
+
+def prestart(cfg) -> None:
+    """Start a compile worker ahead of the first graph, once per process (NOTE above)."""
+    global _worker, _worker_tried
+    if _worker_tried:
+        return
+    _worker_tried = True
+    if not applies_to(cfg):
+        return
+    try:
+        err = tempfile.TemporaryFile()
+        _worker = (_spawn(["--worker"], err, stdin=subprocess.PIPE), err)
+    except OSError as e:
+        log.debug("no compile worker started ahead: %s", e)
+        return
+    import atexit
+
+    atexit.register(_end_worker)
+
+
+def _end_worker() -> None:
+    global _worker
+    if _worker is not None:
+        proc, _ = _worker
+        _worker = None
+        try:
+            proc.stdin.close()  # (it reads no graph and exits)
+        except OSError:
+            pass
+
+
+def _take_worker():
+    """The worker started ahead and its stderr's file, if it is still there to take a graph."""
+    global _worker
+    worker, _worker = _worker, None
+    if worker is None or worker[0].poll() is not None:
+        return None
+    return worker
+
+
+def _cpu_times():
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return fields[3] + fields[4], sum(fields)  # (idle + iowait, all)
+
+
+def _compile_threads(window: float = 0.2) -> int:
+    """Inductor's kernel compile workers for a child: one per core idle over the last `window`
+    seconds, at most 8 (NOTE above)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+        idle0, all0 = _cpu_times()
+        time.sleep(window)
+        idle1, all1 = _cpu_times()
+    except (AttributeError, OSError, ValueError, IndexError):
+        return 1
+    idle = cores * (idle1 - idle0) / max(all1 - all0, 1)
+    return max(1, min(8, int(idle + 0.5)))
+
+
 def _run_child(path: str, claim=None) -> bool:
-    env = _child_env()
     t0 = time.perf_counter()
     err = tempfile.TemporaryFile()  # (a file, not a pipe: a child left to finish after exit writes to no one)
+    worker = _take_worker()
     try:
-        # its own process group (NOTE [The compile's share of a busy machine]: stopped and continued
-        # with its g++), in this session: with the scheduler's autogroups (Linux), a new session is
-        # a new group that gets a fair share of the CPU against training's whatever its own
-        # priority: SCHED_IDLE then took half the CPU, and training's steps took 1 s for 40 ms
-        group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
-        proc = subprocess.Popen(
-            _child_command(path), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, **group,
-        )
+        if worker is not None:  # (the worker started ahead: NOTE [A compile worker started ahead])
+            proc, err = worker
+            proc.stdin.write((path + "\n").encode())
+            proc.stdin.close()
+        else:
+            proc = _spawn([path], err)
     except OSError as e:  # (no interpreter to start: an embedded Python)
         log.debug("no child compile: %s", e)
         _unlink(path)
@@ -340,6 +295,7 @@ def _run_child(path: str, claim=None) -> bool:
     shared = share.started(proc.pid)
     left = False
     try:
+        _import_inductor()
         # (a loop of short waits: a cancel at exit, raised between bytecodes, gets here)
         while True:
             try:
@@ -366,6 +322,20 @@ def _run_child(path: str, claim=None) -> bool:
         return False
     log.debug("child compile done in %.1fs", time.perf_counter() - t0)
     return True
+
+
+def _import_inductor() -> None:
+    """While the child compiles: what this process's load of its compile needs imported (inductor:
+    ~4 s of CPU on 2 cores), so that the load after it is only the caches' hit (issue 47: the
+    compile's fixed cost, docs/benchmarks.md)."""
+    try:
+        import torch._inductor.compile_fx  # noqa: F401
+
+        from .inductor import _register_inductor_lowering
+
+        _register_inductor_lowering()
+    except Exception:  # (imported again by the compile itself, which reports what fails)
+        log.debug("inductor not imported ahead of the load", exc_info=True)
 
 
 def _kill(proc) -> None:
@@ -448,7 +418,7 @@ def package_after_exit(jobs: list):
     Popen, or None."""
     try:
         payload = pickle.dumps({
-            "packages": [job._replace(graph=_encode_graph(job.graph)) for job in jobs],
+            "packages": [job._replace(graph=encode_graph(job.graph)) for job in jobs],
             "configs": _configs(),
             "threads": torch.get_num_threads(),
         })
@@ -456,7 +426,7 @@ def package_after_exit(jobs: list):
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
         group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
-        proc = subprocess.Popen(_child_command(path), env=_child_env(), stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen([sys.executable, "-c", _BOOT, path], env=_child_env(), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **group)
     except Exception as e:  # (nothing is lost but the next process's speed)
         log.debug("no package made after exit: %s", e)
@@ -470,6 +440,12 @@ def package_after_exit(jobs: list):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--worker":  # NOTE [A compile worker started ahead]
+        _warm_up()
+        line = sys.stdin.readline().strip()
+        if not line:
+            return 0
+        argv = [line]
     with open(argv[0], "rb") as f:
         payload = pickle.load(f)
     _unlink(argv[0])
@@ -489,15 +465,16 @@ def main(argv=None) -> int:
         for job in payload["packages"]:
             try:
                 with torch.no_grad():
-                    package.build(_decode_graph(job.graph), fakes_of(job.described), job.slot, job.patches)
+                    package.build(decode_graph(job.graph), fakes_of(job.described), job.slot, job.patches)
             except Exception:  # (the next one may still be made)
                 log.debug("could not package a graph", exc_info=True)
                 failed += 1
         return int(bool(failed))
-    from .inductor import compile_inductor
+    from .inductor import compile_inductor, set_isa_patches
     from .torch_patches import compile_lock
 
-    gm = _decode_graph(payload["graph"])
+    set_isa_patches(payload.get("isa", {}))
+    gm = decode_graph(payload["graph"])
     fakes = fakes_of(payload["inputs"])
     with compile_lock, torch.no_grad():
         compile_inductor(gm, fakes, False, payload["patches"])
@@ -505,6 +482,23 @@ def main(argv=None) -> int:
         write_marker(*payload["marker"])
     claims.release(payload.get("claim"))
     return 0
+
+
+def _warm_up() -> None:
+    """In a worker started ahead: what its compile will need, imported (and the machine's vector
+    ISAs probed where no verdict says them fine) while it waits for its graph."""
+    try:
+        import torch._inductor.compile_fx  # noqa: F401
+
+        from .inductor import _isa_verdict, _register_inductor_lowering
+
+        _register_inductor_lowering()
+        if not _isa_verdict():
+            from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+            valid_vec_isa_list()
+    except Exception:  # (the compile imports them again and reports what fails)
+        pass
 
 
 def write_marker(path: str, data: bytes) -> None:

@@ -24,7 +24,8 @@ def compile_inductor(gm, example_inputs, dynamic: bool, patches: dict | None):
     # of a 2000-node chain's 4-6 ms hit). Our cache key already fixes every
     # lifted tensor's sizes and strides (or their symbols and guards), so a
     # graph is only ever called with the geometry it was compiled for.
-    with inductor_config.patch({"size_asserts": False, **(patches or {})}), (
+    isa = isa_patches()  # NOTE [The machine's vector ISAs, probed once]
+    with inductor_config.patch({"size_asserts": False, **isa, **(patches or {})}), (
         torch_patches.scoped(torch_patches.DYNAMIC_INDUCTOR) if dynamic else contextlib.nullcontext()
     ), _cache_tag(dynamic) as tagged:
         # NOTE [Inductor's FX graph cache for our graphs]
@@ -33,6 +34,96 @@ def compile_inductor(gm, example_inputs, dynamic: bool, patches: dict | None):
             return compile_on_static_fakes(compile_fx, gm, example_inputs, static=tagged and not dynamic)
         finally:
             inductor_patches.compiling_ours.active = False
+            if not isa:
+                _note_isa_verdict()
+
+
+# NOTE [The machine's vector ISAs, probed once]
+# Before its first C++ kernel, inductor finds which vector instruction sets (AVX-512 VNNI,
+# AVX-512, AVX2, ...) this machine's CPU and compiler can use: for each one the CPU's flags
+# allow it builds a test program with g++ and loads it in a new Python process. That is cached
+# in inductor's cache directory only, so each new cache directory pays it again: 10 s of the
+# 31 s from a 2-layer transformer's first backward to its compiled graph, with a fresh inductor
+# cache on 2 cores (benchmarks/compile_cost.py). What it finds belongs to the machine, not the
+# cache: so once inductor probed them all and every ISA the CPU's flags allow passed, that is
+# written in our own cache directory (native.cache_root(), keyed by the torch release, the
+# compiler's path, size and time, and the CPU's flags), and from then on each compile tells
+# inductor that the ISAs the flags allow are fine (`cpp.vec_isa_ok`: it builds no test program).
+# The decision is taken once per process (`isa_patches`) and handed to a compile child with the
+# graph, so that the child and the training process key the compile alike. Where a probe failed,
+# or elsewhere than x86-64 Linux, nothing is written and inductor probes as before.
+_isa: dict | None = None
+
+
+def isa_patches() -> dict:
+    """The inductor config this process's compiles use for the vector ISAs (NOTE above)."""
+    global _isa
+    if _isa is None:
+        _isa = {"cpp.vec_isa_ok": True} if _isa_verdict() else {}
+    return _isa
+
+
+def set_isa_patches(patches: dict) -> None:
+    """A compile child takes its parent's decision (NOTE above)."""
+    global _isa
+    _isa = dict(patches)
+
+
+def _isa_key() -> str | None:
+    import hashlib
+    import os
+    import platform
+    import shutil
+    import sys
+
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        from torch._inductor.cpu_vec_isa import x86_isa_checker
+
+        compiler = get_cpp_compiler()
+        path = shutil.which(compiler) or compiler
+        st = os.stat(path)
+        flags = sorted(x86_isa_checker())
+    except Exception:
+        return None
+    return hashlib.sha256(repr((torch.__version__, path, st.st_size, int(st.st_mtime), flags)).encode()).hexdigest()[:24]
+
+
+def _isa_file():
+    from .. import native
+
+    return native.cache_root() / "vec_isa_ok"
+
+
+def _isa_verdict() -> bool:
+    key = _isa_key()
+    if key is None:
+        return False
+    try:
+        return key in _isa_file().read_text().split()
+    except OSError:
+        return False
+
+
+def _note_isa_verdict() -> None:
+    """After a compile that probed the ISAs: remember, for the machine, that all passed."""
+    try:
+        from torch._inductor import cpu_vec_isa
+
+        key = _isa_key()
+        if key is None or _isa_verdict():
+            return
+        flags = cpu_vec_isa.x86_isa_checker()
+        allowed = [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
+        if allowed and len(cpu_vec_isa.valid_vec_isa_list()) == len(allowed):
+            path = _isa_file()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a") as f:
+                f.write(key + "\n")
+    except Exception:  # (nothing lost: the next cache directory probes again)
+        pass
 
 
 def _register_inductor_lowering() -> None:
