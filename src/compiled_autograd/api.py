@@ -26,7 +26,6 @@ from . import config as _config
 from .cache.memory import CACHE
 from .config import BackendLike, Config
 from .compile import background as _background
-from .compile import child as _child
 from .compile.background import synchronize
 from .runtime import reset_runtime, run_backward
 from .nodes.tracing import is_tracing
@@ -159,8 +158,6 @@ class enable(contextlib.ContextDecorator):
     def __enter__(self):
         _install()
         _enter_scope(self, self.config)
-        if not _child._worker_tried:  # NOTE [A compile worker started ahead] (compile/child.py)
-            _child.prestart(self.config)
         return self
 
     def __exit__(self, *exc):

@@ -55,6 +55,8 @@ class Miss:
     def graph(self):
         """(entry, first results or None): from the disk cache, else captured."""
         got = self._from_disk()
+        if got is None or not got.compiled:  # (a compile ahead: NOTE [A compile worker started ahead], compile/child.py)
+            child.prestart(self.cfg)
         return (got, None) if got is not None else self._capture()
 
     def _from_disk(self):

@@ -387,7 +387,9 @@ def report() -> list:
 
 
 def reset() -> None:
-    """Forget the compiles not yet started (their graphs are gone with the cache)."""
+    """Forget the compiles not yet started (their graphs are gone with the cache), and a compile
+    worker started ahead (NOTE [A compile worker started ahead])."""
+    child.end_worker()
     with LOCK:
         _deferred.clear()
         _when_compiled.clear()

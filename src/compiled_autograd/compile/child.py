@@ -18,7 +18,8 @@ import torch
 
 from .. import config
 from . import claims, share
-from .payload import Described, decode_graph, describe, encode_graph, fakes_of
+from .payload import Described, decode_graph, describe, fakes_of
+from .payload import encode_graph as _encode_graph  # (a test makes it fail)
 
 log = logging.getLogger("compiled_autograd")
 
@@ -144,7 +145,7 @@ def compile_in_child(gm: torch.fx.GraphModule, example_inputs, patches: dict | N
     try:
         payload = pickle.dumps(
             {
-                "graph": encode_graph(gm),
+                "graph": _encode_graph(gm),
                 "inputs": example_inputs.described if isinstance(example_inputs, Described) else describe(example_inputs),
                 "patches": patches or {},
                 "configs": _configs(),
@@ -194,23 +195,27 @@ def _child_env() -> dict:
     return env
 
 
-def _spawn(args: list, err, stdin=subprocess.DEVNULL):
+def _child_command(arg: str) -> list:
+    """The child's command line: its graph's payload path, or --worker (a test replaces it)."""
+    return [sys.executable, "-c", _BOOT, arg]
+
+
+def _spawn(arg: str, err, stdin=subprocess.DEVNULL):
     # its own process group (NOTE [The compile's share of a busy machine]: stopped and continued
     # with its g++), in this session: with the scheduler's autogroups (Linux), a new session is
     # a new group that gets a fair share of the CPU against training's whatever its own
     # priority: SCHED_IDLE then took half the CPU, and training's steps took 1 s for 40 ms
     group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
-    return subprocess.Popen([sys.executable, "-c", _BOOT, *args], env=_child_env(), stdin=stdin, stdout=subprocess.DEVNULL,
-                            stderr=err, **group)
+    return subprocess.Popen(_child_command(arg), env=_child_env(), stdin=stdin, stdout=subprocess.DEVNULL, stderr=err, **group)
 
 
 # NOTE [A compile worker started ahead]
-# A compile child spends its first seconds importing torch, this package and inductor (5.6 s of
+# A compile child spends its first seconds importing torch, this package and inductor (4.7 s of
 # CPU on 2 cores), and, the first time on a machine, probing its vector ISAs (NOTE [The machine's
-# vector ISAs, probed once]). So the first inductor scope entered with a child compile ahead of it
-# starts one at once, at its low priority: it imports all that while the training process builds
-# its model and runs its first forward and backward, then waits for its graph (a path on its
-# stdin). Its kernels are compiled by as many workers as the machine has idle cores (inductor's
+# vector ISAs, probed once]). So the first miss that will compile in a child (capture/miss.py: no
+# package, nothing compiled in the caches) starts one at once, at its low priority: it imports all
+# that while the training process captures the graph and runs its first backward, then waits for
+# the graph (a path on its stdin). Its kernels are compiled by as many workers as the machine has idle cores (inductor's
 # TORCHINDUCTOR_COMPILE_THREADS; one where training keeps the cores busy: more workers would be
 # more imports for the same CPU). A worker no graph came to is ended at exit.
 _worker = None
@@ -223,21 +228,23 @@ def prestart(cfg) -> None:
     if _worker_tried:
         return
     _worker_tried = True
-    if not applies_to(cfg):
+    if not applies_to(cfg):  # (inductor's config imported: this process compiles with it anyway)
         return
     try:
         err = tempfile.TemporaryFile()
-        _worker = (_spawn(["--worker"], err, stdin=subprocess.PIPE), err)
+        _worker = (_spawn("--worker", err, stdin=subprocess.PIPE), err)
     except OSError as e:
         log.debug("no compile worker started ahead: %s", e)
         return
     import atexit
 
-    atexit.register(_end_worker)
+    atexit.register(end_worker)
 
 
-def _end_worker() -> None:
-    global _worker
+def end_worker() -> None:
+    """End a worker no graph came to (at exit; ca.reset(): the next scope starts one anew)."""
+    global _worker, _worker_tried
+    _worker_tried = False
     if _worker is not None:
         proc, _ = _worker
         _worker = None
@@ -286,7 +293,7 @@ def _run_child(path: str, claim=None) -> bool:
             proc.stdin.write((path + "\n").encode())
             proc.stdin.close()
         else:
-            proc = _spawn([path], err)
+            proc = _spawn(path, err)
     except OSError as e:  # (no interpreter to start: an embedded Python)
         log.debug("no child compile: %s", e)
         _unlink(path)
@@ -418,7 +425,7 @@ def package_after_exit(jobs: list):
     Popen, or None."""
     try:
         payload = pickle.dumps({
-            "packages": [job._replace(graph=encode_graph(job.graph)) for job in jobs],
+            "packages": [job._replace(graph=_encode_graph(job.graph)) for job in jobs],
             "configs": _configs(),
             "threads": torch.get_num_threads(),
         })
@@ -426,7 +433,7 @@ def package_after_exit(jobs: list):
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
         group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
-        proc = subprocess.Popen([sys.executable, "-c", _BOOT, path], env=_child_env(), stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(_child_command(path), env=_child_env(), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **group)
     except Exception as e:  # (nothing is lost but the next process's speed)
         log.debug("no package made after exit: %s", e)
