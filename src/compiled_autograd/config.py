@@ -50,7 +50,7 @@ CHILD_NICE = EnvVar("COMPILED_AUTOGRAD_CHILD_NICE", "idle", "the child compile's
                     "(the child reads it itself, before it imports anything)")
 COMPILE_AFTER = EnvVar("COMPILED_AUTOGRAD_COMPILE_AFTER", "20", "seconds of training after which a starved compile gets "
                        "COMPILE_SHARE of the time (NOTE [The compile's share of a busy machine])")
-COMPILE_SHARE = EnvVar("COMPILED_AUTOGRAD_COMPILE_SHARE", "0.1", "the most of training's time a starved compile gets after "
+COMPILE_SHARE = EnvVar("COMPILED_AUTOGRAD_COMPILE_SHARE", "0.05", "the most of training's time a starved compile gets after "
                        "COMPILE_AFTER, in any run of steps (at most 0.5)")
 FINISH_AFTER_EXIT = EnvVar("COMPILED_AUTOGRAD_FINISH_AFTER_EXIT", "300", "seconds a child compile still running at exit "
                            "may go on after it (0: stopped at exit; NOTE [A compile finished after exit])")

@@ -96,7 +96,7 @@ def run_backward(*args):
     `_run_backward`'s (cfg, eager, roots, grads, keep_graph, create_graph,
     inputs, allow_unused, accumulate_grad), run with the collector paused
     (NOTE [No garbage collection on a hit])."""
-    if STATS.compiles_pending:  # NOTE [The compile's share of a busy machine] (compile/share.py)
+    if share._current is not None:  # NOTE [The compile's share of a busy machine] (compile/share.py)
         share.step()
     pause = GCPause()
     try:

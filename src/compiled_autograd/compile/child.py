@@ -187,7 +187,7 @@ def _child_env() -> dict:
     cache = _cache_dir()
     if cache:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache
-    env["TORCHINDUCTOR_COMPILE_THREADS"] = str(_compile_threads())  # (its g++ at its priority: NOTE [A compile worker started ahead])
+    env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # (g++ as its own child, at its priority; more where cores are idle: _compile_threads)
     env["COMPILED_AUTOGRAD_CHILD_NICE"] = str(CHILD_NICENESS)
     # (the package as this process imported it, wherever that is)
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -215,9 +215,12 @@ def _spawn(arg: str, err, stdin=subprocess.DEVNULL):
 # vector ISAs, probed once]). So the first miss that will compile in a child (capture/miss.py: no
 # package, nothing compiled in the caches) starts one at once, at its low priority: it imports all
 # that while the training process captures the graph and runs its first backward, then waits for
-# the graph (a path on its stdin). Its kernels are compiled by as many workers as the machine has idle cores (inductor's
-# TORCHINDUCTOR_COMPILE_THREADS; one where training keeps the cores busy: more workers would be
-# more imports for the same CPU). A worker no graph came to is ended at exit.
+# the graph (a path on its stdin). Its kernels are compiled by as many workers as the machine has
+# idle cores while training runs, measured as the graph arrives (inductor's compile_threads; one
+# where training keeps the cores busy: more workers would be more imports for the same CPU). The
+# training process imports inductor only once the child is done: importing it meanwhile held the
+# GIL against the steps (the D=1024 MLP's 60 steps took 1.4x eager's). A worker no graph came to
+# is ended at exit.
 _worker = None
 _worker_tried = False
 
@@ -232,10 +235,12 @@ def prestart(cfg) -> None:
         return
     try:
         err = tempfile.TemporaryFile()
-        _worker = (_spawn("--worker", err, stdin=subprocess.PIPE), err)
+        proc = _spawn("--worker", err, stdin=subprocess.PIPE)
     except OSError as e:
         log.debug("no compile worker started ahead: %s", e)
         return
+    # (its share of a busy machine from its start: its imports must not cost the steps either)
+    _worker = (proc, err, share.started(proc.pid))
     import atexit
 
     atexit.register(end_worker)
@@ -246,8 +251,10 @@ def end_worker() -> None:
     global _worker, _worker_tried
     _worker_tried = False
     if _worker is not None:
-        proc, _ = _worker
+        proc, _, shared = _worker
         _worker = None
+        shared.release()
+        share.ended(shared)
         try:
             proc.stdin.close()  # (it reads no graph and exits)
         except OSError:
@@ -255,11 +262,13 @@ def end_worker() -> None:
 
 
 def _take_worker():
-    """The worker started ahead and its stderr's file, if it is still there to take a graph."""
+    """The worker started ahead, its stderr's file and its share, if it is still there to take a
+    graph."""
     global _worker
     worker, _worker = _worker, None
-    if worker is None or worker[0].poll() is not None:
-        return None
+    if worker is not None and worker[0].poll() is not None:
+        share.ended(worker[2])
+        worker = None
     return worker
 
 
@@ -269,9 +278,9 @@ def _cpu_times():
     return fields[3] + fields[4], sum(fields)  # (idle + iowait, all)
 
 
-def _compile_threads(window: float = 0.2) -> int:
-    """Inductor's kernel compile workers for a child: one per core idle over the last `window`
-    seconds, at most 8 (NOTE above)."""
+def _compile_threads(window: float = 0.3) -> int:
+    """In the child, as its graph arrives (training runs then): inductor's kernel compile
+    workers, one per core idle over the next `window` seconds, at most 8 (NOTE above)."""
     try:
         cores = len(os.sched_getaffinity(0))
         idle0, all0 = _cpu_times()
@@ -287,9 +296,11 @@ def _run_child(path: str, claim=None) -> bool:
     t0 = time.perf_counter()
     err = tempfile.TemporaryFile()  # (a file, not a pipe: a child left to finish after exit writes to no one)
     worker = _take_worker()
+    shared = None
     try:
         if worker is not None:  # (the worker started ahead: NOTE [A compile worker started ahead])
-            proc, err = worker
+            proc, err, shared = worker
+            shared.release()  # (it runs free until judged starved again, now with its graph)
             proc.stdin.write((path + "\n").encode())
             proc.stdin.close()
         else:
@@ -299,10 +310,9 @@ def _run_child(path: str, claim=None) -> bool:
         _unlink(path)
         return False
     claims.hand_to(claim, proc.pid)
-    shared = share.started(proc.pid)
+    shared = share.restarted(shared) if shared is not None else share.started(proc.pid)
     left = False
     try:
-        _import_inductor()
         # (a loop of short waits: a cancel at exit, raised between bytecodes, gets here)
         while True:
             try:
@@ -329,20 +339,6 @@ def _run_child(path: str, claim=None) -> bool:
         return False
     log.debug("child compile done in %.1fs", time.perf_counter() - t0)
     return True
-
-
-def _import_inductor() -> None:
-    """While the child compiles: what this process's load of its compile needs imported (inductor:
-    ~4 s of CPU on 2 cores), so that the load after it is only the caches' hit (issue 47: the
-    compile's fixed cost, docs/benchmarks.md)."""
-    try:
-        import torch._inductor.compile_fx  # noqa: F401
-
-        from .inductor import _register_inductor_lowering
-
-        _register_inductor_lowering()
-    except Exception:  # (imported again by the compile itself, which reports what fails)
-        log.debug("inductor not imported ahead of the load", exc_info=True)
 
 
 def _kill(proc) -> None:
@@ -481,6 +477,11 @@ def main(argv=None) -> int:
     from .torch_patches import compile_lock
 
     set_isa_patches(payload.get("isa", {}))
+    threads = _compile_threads()
+    if threads > 1:  # (not in inductor's cache keys: a compile's result is the same)
+        import torch._inductor.config as inductor_config
+
+        inductor_config.compile_threads = threads
     gm = decode_graph(payload["graph"])
     fakes = fakes_of(payload["inputs"])
     with compile_lock, torch.no_grad():

@@ -24,7 +24,9 @@ log = logging.getLogger("compiled_autograd")
 # training process, between its steps:
 #   * free: the child runs at SCHED_IDLE as before, where that gets it most of a core (a GPU
 #     job, idle cores): no step pays anything;
-#   * sliced: where it gets less than FREE_RATE of a CPU over a FREE_WINDOW, the child (its
+#   * sliced: where it gets less than FREE_RATE of a CPU over a FREE_WINDOW, or training's own
+#     threads keep every core busy (training takes more than cores - 0.75 CPUs: the child at
+#     SCHED_IDLE still took half a core from the D=1024 MLP's barriers, its steps 1.4x), the child (its
 #     whole process group: g++ too) is stopped (SIGSTOP), so it costs the steps nothing, and
 #     each backward gives it a slice of its own: the training thread sleeps while the child runs
 #     (SIGCONT ... SIGSTOP), alone on the machine, for what the budget owes it.
@@ -53,6 +55,19 @@ def after() -> float:
 def share() -> float:
     """The most of training's time a starved compile gets, from after() on (read when used)."""
     return min(max(float(config.COMPILE_SHARE.read()), 0.0), 0.5)
+
+
+def _own_cpu() -> float:
+    """This process's CPU seconds (every thread: training's)."""
+    t = os.times()
+    return t.user + t.system
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _cpu_seconds(pgid: int) -> float:
@@ -87,6 +102,7 @@ class Share:
         self.paid = 0.0  # seconds the training thread waited for the child
         self.earned = 0.0  # seconds the steps since after() earned it (step's time * share / (1 - share))
         self.window = (self.started, 0.0)  # (wall, cpu) where the current measure began
+        self.own = _own_cpu()  # this process's CPU seconds there (training's)
         self.cpu = 0.0
         self.after, self.share = after(), share()
 
@@ -140,15 +156,19 @@ class Share:
             self.seen = time.perf_counter()  # (the slice is not training's time: it earns nothing)
 
     def _judge(self, now) -> None:
-        """A free child's rate over its last window: starved, it is sliced from now on."""
+        """A free child's last window: starved, or beside training that leaves no core idle, it is
+        sliced from now on."""
         wall0, cpu0 = self.window
         if now - wall0 < FREE_WINDOW:
             return
-        cpu = self._cpu()
+        cpu, mine = self._cpu(), _own_cpu()
         rate = (cpu - cpu0) / (now - wall0)
-        self.window = (now, cpu)
-        if rate < FREE_RATE:
-            log.info("background compile starved (%.0f%% of a CPU at SCHED_IDLE): its time is now given between steps", 100 * rate)
+        training = (mine - self.own) / (now - wall0)
+        self.window, self.own = (now, cpu), mine
+        busy = training > _cores() - 0.75  # (training's own threads take every core: none is idle for the child)
+        if rate < FREE_RATE or busy:
+            log.info("background compile beside busy training (%.0f%% of a CPU at SCHED_IDLE, training %.1f CPUs): its time "
+                     "is now given between steps", 100 * rate, training)
             self.sliced = True
             self._stop()
 
@@ -187,6 +207,16 @@ def started(pid: int) -> Share:
     with _current_lock:
         _current = Share(pid)
         return _current
+
+
+def restarted(share: Share) -> Share:
+    """The share of a worker started ahead, now compiling its graph: judged afresh, its budget
+    counted from now (NOTE [A compile worker started ahead], compile/child.py)."""
+    global _current
+    with _current_lock:
+        fresh = Share(share.pgid)
+        _current = fresh
+        return fresh
 
 
 def ended(share: Share) -> None:
