@@ -638,3 +638,23 @@ def test_explain_stays_readable_with_many_guards_captures_and_opaque_nodes():
     assert "opaque: ... 5 more nodes" in text
     assert sum(line.startswith("  capture ") for line in lines) == ex.MAX_CAPTURES
     assert "earlier captures not shown" in text
+
+
+def test_importing_the_library_changes_nothing_in_torch():
+    """Issue 46 item 3: `import compiled_autograd` leaves torch as it was; the first scope entered
+    installs what it needs (the engine's entry point, the call op, fx's and the engine's patches)."""
+    import subprocess
+    import sys
+
+    probe = """
+import torch, torch.fx
+before = (torch.autograd._engine_run_backward, torch._C._will_engine_execute_node, torch.fx.Tracer.trace)
+import compiled_autograd as ca
+after = (torch.autograd._engine_run_backward, torch._C._will_engine_execute_node, torch.fx.Tracer.trace)
+print(all(a is b for a, b in zip(before, after)), hasattr(torch.ops.compiled_autograd, "call"))
+with ca.enable("eager"):
+    pass
+print(torch.autograd._engine_run_backward is not before[0], hasattr(torch.ops.compiled_autograd, "call"))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "False", "True", "True"], out

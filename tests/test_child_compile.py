@@ -44,7 +44,7 @@ def fresh_inductor_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("COMPILED_AUTOGRAD_COMPILE_PROCESS", "1")
     # (the child at training's priority: on a machine others keep busy, a low-priority child
     # may take longer than a test should wait; what is tested is what it leaves in the caches)
-    monkeypatch.setattr(child, "CHILD_NICENESS", 0)
+    monkeypatch.setenv("COMPILED_AUTOGRAD_CHILD_NICE", "0")
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -114,7 +114,7 @@ def test_applies_only_to_static_inductor_graphs(monkeypatch):
     monkeypatch.setenv("COMPILED_AUTOGRAD_COMPILE_PROCESS", "1")
     # (the child at training's priority: on a machine others keep busy, a low-priority child
     # may take longer than a test should wait; what is tested is what it leaves in the caches)
-    monkeypatch.setattr(child, "CHILD_NICENESS", 0)
+    monkeypatch.setenv("COMPILED_AUTOGRAD_CHILD_NICE", "0")
     assert child.applies("inductor", dynamic=False)
     assert not child.applies("inductor", dynamic=True)
     assert not child.applies("aot_eager", dynamic=False)
@@ -128,9 +128,7 @@ def test_applies_only_to_static_inductor_graphs(monkeypatch):
 def test_child_compiles_and_the_training_process_loads_from_the_caches(fresh_inductor_cache, live, monkeypatch):
     """The child's fakes (child.fakes_of) give the cache keys of the training process's: its
     fakes from the same description after a live record, the trace's own fakes otherwise."""
-    from compiled_autograd.capture import trace
-
-    monkeypatch.setattr(trace, "LIVE", live)
+    monkeypatch.setenv("COMPILED_AUTOGRAD_RECORD_LIVE", "1" if live else "0")
     counters = fresh_inductor_cache
     net, x = _model(), torch.randn(4, 16)
     ref = _step(net, x)  # eager
@@ -328,7 +326,7 @@ def test_a_starved_compile_never_makes_ten_steps_slower_than_its_share(monkeypat
 
 _LEAVES_A_COMPILE = """
 import sys, time, torch, compiled_autograd as ca
-from compiled_autograd.compile import share
+from compiled_autograd.compile import child, share
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
 steps = int(sys.argv[1])
@@ -338,8 +336,8 @@ for step in range(steps):
         net(x).pow(2).mean().backward()
     if step == 0 and sys.argv[2] == "leave":
         deadline = time.time() + 60
-        while share.current() is None and time.time() < deadline:
-            time.sleep(0.05)
+        while (share.current() is None or child._worker is not None) and time.time() < deadline:
+            time.sleep(0.05)  # (until the compile child has its graph: a worker started ahead waits for one)
         print("child", share.current().pgid, flush=True)
         sys.exit(0)  # (the compile is still running: it goes on after this process)
 if sys.argv[2] == "load":

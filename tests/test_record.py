@@ -71,7 +71,7 @@ def _structure(gm) -> list:
 
 
 def _captured_structure(loss, monkeypatch, recording: bool):
-    monkeypatch.setattr(trace, "RECORD", recording)
+    monkeypatch.setenv("COMPILED_AUTOGRAD_RECORD", "1" if recording else "0")
     ca.reset()
     with ca.enable("eager", fullgraph=True):
         loss.backward()

@@ -26,6 +26,7 @@ from . import config as _config
 from .cache.memory import CACHE
 from .config import BackendLike, Config
 from .compile import background as _background
+from .compile import torch_patches as _torch_patches
 from .compile.background import synchronize
 from .runtime import reset_runtime, run_backward
 from .nodes.tracing import is_tracing
@@ -79,12 +80,15 @@ def _routed_engine_run_backward(
 
 
 def _install() -> None:
+    """What a scope needs of torch, installed when one is first entered: importing the library
+    changes nothing in torch (tests/test_api.py)."""
     calls.install()  # compiled_autograd::call, which our graphs call
     if torch.autograd._engine_run_backward is not _routed_engine_run_backward:
+        try:
+            _torch_patches.install(_torch_patches.FIRST_USE)
+        except _torch_patches.LayoutDiffers:  # every backward runs in eager, with its reason (NOTE [Torch versions])
+            pass
         torch.autograd._engine_run_backward = _routed_engine_run_backward
-
-
-_install()
 
 
 # NOTE [Each use of a scope is its own]

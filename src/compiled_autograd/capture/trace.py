@@ -391,8 +391,8 @@ def _capture_backward(collected: Collected, opaque_names: tuple = (), mask=None,
     opaque_extra.update(
         {i: "marked opaque" for i, n in enumerate(collected.nodes) if n.name in opaque_names and FAMILIES[n.kind].opaque_by_name}
     )
-    recording = RECORD
-    live = live and recording and LIVE and mask is None and not create_graph and not opaque_extra and _all_built_in(collected)
+    recording = config.RECORD.on()  # (NOTE [Recording a static trace]; read when used)
+    live = live and recording and config.RECORD_LIVE.on() and mask is None and not create_graph and not opaque_extra and _all_built_in(collected)
     refused: list = []  # why a cheaper way was left: the live record's, the fake record's
     for _ in range(MAX_OPAQUE_RETRIES):
         if live:  # NOTE [Recording on the real tensors] (capture/record.py)
@@ -478,11 +478,6 @@ def _plan(gm, tracer, collected, captured, differentiable, num_results) -> Plan:
     )
 
 
-# NOTE [Recording a static trace] (capture/record.py); COMPILED_AUTOGRAD_RECORD=0 traces every
-# capture with make_fx; COMPILED_AUTOGRAD_RECORD_LIVE=0 records every static capture on fakes
-# (NOTE [Recording on the real tensors])
-RECORD = config.RECORD.on()
-LIVE = config.RECORD_LIVE.on()
 
 
 def _all_built_in(collected) -> bool:

@@ -47,7 +47,7 @@ log = logging.getLogger("compiled_autograd")
 # walk may hold the saved tensors it lifted by then (GraphCapture.clear drops them): held,
 # the engine freed no activation as it went, and the transformer's steps while compiling
 # took 8-10% longer than eager's (its peak 1.46x eager's on tests/test_memory.py's MLP). The compile
-# thread runs at a lower CPU priority (COMPILE_NICENESS, its own niceness on Linux): on a
+# thread runs at a lower CPU priority (COMPILED_AUTOGRAD_COMPILE_NICE, its own niceness on Linux): on a
 # 2-core machine training's kernels take both cores, and a compile at equal priority took
 # a third of them (at niceness 5 the scheduler gives it about a seventh, at 10 a twentieth). Measured here (4-layer MLP D=1024, batch 64, 2 threads, the machine
 # shared with a test run): eager 360 ms a step; the traced graph while compiling 663 ms
@@ -74,14 +74,13 @@ _deferred: dict[int, Callable[[], None]] = {}  # id(entry) -> start its compile,
 
 # how much lower a compile thread's CPU priority is than training's (NOTE [Steps while a graph
 # compiles]); COMPILED_AUTOGRAD_COMPILE_NICE=0 compiles at training's priority
-COMPILE_NICENESS = int(config.COMPILE_NICE.read())
 
 
 def _lower_priority() -> None:
     """NOTE [Steps while a graph compiles]: the compile thread yields the CPU to training (a
     thread's own niceness, on Linux; elsewhere nothing)."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), int(config.COMPILE_NICE.read()))
     except (AttributeError, OSError):  # (no per-thread priorities here)
         pass
 
@@ -117,7 +116,7 @@ def mark_when_compiled(entry: CompiledBackward, marker: tuple | None, slot: Pack
 def package_later(graph, plan, inputs, slot: PackageSlot | None, patches) -> None:
     """Package this compiled graph after exit (NOTE [Compiled graphs loaded without inductor]),
     where a package can hold it; `inputs`: the graph's inputs, real or fake, or a child.Described."""
-    if slot is None or child.FINISH_AFTER_EXIT <= 0:
+    if slot is None or child.finish_after_exit() <= 0:
         return
     try:
         described = inputs.described if isinstance(inputs, child.Described) else child.describe(inputs)
@@ -320,7 +319,7 @@ def _wait_for_compiles() -> None:
     wait = _exit_wait()
     if shared is not None:  # (waited for now: it runs free)
         shared.release()
-        if child.FINISH_AFTER_EXIT > 0 and not config.EXIT_WAIT.read():
+        if child.finish_after_exit() > 0 and not config.EXIT_WAIT.read():
             wait = 0.0  # it finishes after this process instead (NOTE [A compile finished after exit])
     if wait is None or wait > 0:
         log.info("waiting for %d background compile(s) before exiting", len(_pending))
@@ -378,11 +377,11 @@ def report() -> list:
         packages = len(_to_package)
     if packages:
         out.append(f"compiled graphs to package after exit: {packages} (NOTE [Compiled graphs loaded without inductor]: a "
-                   f"child makes them for the next process, for up to {child.FINISH_AFTER_EXIT:.0f} s; "
+                   f"child makes them for the next process, for up to {child.finish_after_exit():.0f} s; "
                    "COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0: not made)")
     if child.left_after_exit:
         out.append(f"compiles left to finish after exit: {len(child.left_after_exit)} (for up to "
-                   f"{child.FINISH_AFTER_EXIT:.0f} s; COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0: stopped at exit)")
+                   f"{child.finish_after_exit():.0f} s; COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0: stopped at exit)")
     return out
 
 

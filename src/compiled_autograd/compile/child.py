@@ -31,7 +31,7 @@ log = logging.getLogger("compiled_autograd")
 # of the time: the forward's many small ops each wait for it (up to the 5 ms switch
 # interval) and the transformer's steps while compiling took 2.2x eager's. So a background
 # compile of a static inductor graph first runs in a child process (`python -c _BOOT`, which
-# runs `main` below) at the lowest CPU priority (CHILD_NICENESS), given the graph (pickled:
+# runs `main` below) at the lowest CPU priority (COMPILED_AUTOGRAD_CHILD_NICE), given the graph (pickled:
 # its code), its inputs' geometry and the config that enters inductor's cache keys; the
 # child compiles it as the training process would, which fills inductor's caches
 # (AOTAutogradCache, FxGraphCache: the generated code and the .so) in the same cache
@@ -56,7 +56,6 @@ log = logging.getLogger("compiled_autograd")
 # imports anything (torch and this package: 3.7 s of CPU idle, 12 s beside training), and
 # with OpenMP's PASSIVE wait the training threads sleep at each barrier, so even an idle
 # child takes those moments and every step pays the wake-ups (1.55x).
-CHILD_NICENESS = config.CHILD_NICE.read()
 POLL_S = 0.05  # how often the waiting thread looks at the child (a cancel at exit lands between polls)
 
 _child_lock = threading.Lock()
@@ -188,7 +187,7 @@ def _child_env() -> dict:
     if cache:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache
     env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # (g++ as its own child, at its priority; more where cores are idle: _compile_threads)
-    env["COMPILED_AUTOGRAD_CHILD_NICE"] = str(CHILD_NICENESS)
+    env["COMPILED_AUTOGRAD_CHILD_NICE"] = config.CHILD_NICE.read()
     # (the package as this process imported it, wherever that is)
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([package_root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -300,8 +299,7 @@ def _run_child(path: str, claim=None) -> bool:
     try:
         if worker is not None:  # (the worker started ahead: NOTE [A compile worker started ahead])
             proc, err, shared = worker
-            shared.release()  # (it runs free until judged starved again, now with its graph)
-            proc.stdin.write((path + "\n").encode())
+            proc.stdin.write((path + "\n").encode())  # (read once it runs: stopped, where its share says so)
             proc.stdin.close()
         else:
             proc = _spawn(path, err)
@@ -367,7 +365,9 @@ def _unlink(path: str) -> None:
 # child that gets less than half a CPU, beside a job that keeps every core busy, ends rather than
 # cost that job's steps); COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0 kills it at exit instead. The log
 # and explain() say so.
-FINISH_AFTER_EXIT = float(config.FINISH_AFTER_EXIT.read())
+def finish_after_exit() -> float:
+    """COMPILED_AUTOGRAD_FINISH_AFTER_EXIT, read when used."""
+    return float(config.FINISH_AFTER_EXIT.read())
 left_after_exit: list = []  # pids of the children left to finish (explain())
 
 
@@ -379,12 +379,12 @@ def exiting() -> bool:
 
 def _left_to_finish(proc) -> bool:
     """At exit (a CompileCancelled): whether the child goes on after this process."""
-    if FINISH_AFTER_EXIT <= 0 or not exiting() or proc.poll() is not None:
+    if finish_after_exit() <= 0 or not exiting() or proc.poll() is not None:
         return False
     left_after_exit.append(proc.pid)
     log.info("a background compile goes on in process %d for up to %.0f s after this one exits, so that the next "
              "process finds it in inductor's caches (COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0: stop it at exit)",
-             proc.pid, FINISH_AFTER_EXIT)
+             proc.pid, finish_after_exit())
     return True
 
 
@@ -437,12 +437,15 @@ def package_after_exit(jobs: list):
     left_after_exit.append(proc.pid)
     log.info("%d compiled graph(s) packaged in process %d after this one exits, for up to %.0f s, so that the next "
              "process loads them without inductor (COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0: not made)",
-             len(jobs), proc.pid, FINISH_AFTER_EXIT)
+             len(jobs), proc.pid, finish_after_exit())
     return proc
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from .. import calls
+
+    calls.install()  # (the graphs call compiled_autograd::call: importing the package registers nothing)
     if argv and argv[0] == "--worker":  # NOTE [A compile worker started ahead]
         _warm_up()
         line = sys.stdin.readline().strip()
@@ -452,7 +455,7 @@ def main(argv=None) -> int:
     with open(argv[0], "rb") as f:
         payload = pickle.load(f)
     _unlink(argv[0])
-    _watch_parent(FINISH_AFTER_EXIT, payload.get("claim"))
+    _watch_parent(finish_after_exit(), payload.get("claim"))
     torch.set_num_threads(payload["threads"])
     for name, saved in payload["configs"].items():
         import importlib

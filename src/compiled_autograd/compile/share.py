@@ -41,7 +41,7 @@ log = logging.getLogger("compiled_autograd")
 # not a step of this training (no backward for IDLE_S: the process does something else) lets the
 # child run free again. `stats()`/`explain()` say how much of a CPU the compile got while pending.
 FREE_RATE = 0.5  # CPU seconds per second below which the free child counts as starved
-FREE_WINDOW = 0.5  # seconds of a free child's run measured before it is judged
+FREE_WINDOW = 0.25  # seconds of a free child's run measured before it is judged
 MIN_SLICE = 0.005  # seconds: a slice shorter than this is not worth the stop and the wake-up
 MAX_SLICE = 5.0  # (a safety: what a step earns is its own share, so slices stay short where steps are)
 IDLE_S = 10.0  # seconds without a backward after which the process is taken to do something else
@@ -215,6 +215,9 @@ def restarted(share: Share) -> Share:
     global _current
     with _current_lock:
         fresh = Share(share.pgid)
+        if share.sliced:  # (judged beside busy training already: stopped from the start)
+            fresh.sliced = True
+            fresh._stop()
         _current = fresh
         return fresh
 

@@ -248,7 +248,7 @@ def _patch_will_engine_execute_node() -> None:
 
 # -- the table ------------------------------------------------------------------------------
 
-IMPORT = "import"  # when compiled_autograd is imported
+FIRST_USE = "first use"  # when a scope of compiled_autograd is first entered (importing it changes nothing in torch)
 BACKGROUND = "background compile"  # when a background compile is first scheduled
 INDUCTOR = "inductor compile"  # when inductor first compiles one of our graphs
 DYNAMIC_INDUCTOR = "dynamic inductor compile (scoped)"  # only while inductor compiles a dynamic graph of ours
@@ -262,7 +262,7 @@ class Patch:
     replaces: str  # what it replaces
     why: str  # the NOTE that says why
     still_needed: str  # how to tell it is still needed
-    when: str  # IMPORT, BACKGROUND, INDUCTOR: installed then, once; DYNAMIC_INDUCTOR: `scoped`
+    when: str  # FIRST_USE, BACKGROUND, INDUCTOR: installed then, once; DYNAMIC_INDUCTOR: `scoped`
     install: Callable  # installs it (or, scoped, a context manager that holds it)
     for_speed: bool = False  # only for speed: where torch's layout differs, left out (logged)
 
@@ -277,7 +277,7 @@ PATCHES = (
         "torch.fx Tracer.trace, _Patcher.patch/patch_method, and the code of is_fx_tracing / is_fx_symbolic_tracing",
         "NOTE [One fx trace at a time]",
         "a capture beside a background compile fails with 'CURRENT_PATCHER is None' (tests/test_interop.py threads)",
-        IMPORT,
+        FIRST_USE,
         _serialize_fx_traces,
     ),
     Patch(
@@ -285,7 +285,7 @@ PATCHES = (
         "torch._C._will_engine_execute_node",
         "NOTE [Engine queries from hooks] (calls/kernel.py)",
         "register_multi_grad_hook(mode='all') in a compiled graph never calls its function (tests/test_hooks_node.py)",
-        IMPORT,
+        FIRST_USE,
         _patch_will_engine_execute_node,
     ),
     Patch(
@@ -403,8 +403,3 @@ def scoped(when: str = DYNAMIC_INDUCTOR):
                 log.warning("%s; left out (it is only for speed)", _differs(patch, e))
         yield
 
-
-try:
-    install(IMPORT)
-except LayoutDiffers:  # every backward runs in eager, with its reason (NOTE [Torch versions])
-    pass

@@ -86,7 +86,7 @@ def collect(capture, run_unpack_hooks: bool = True, keep_graph: bool = True) -> 
         return None
     pynode_indices = capture.pynode_indices()
     wrapped = capture.wrapped()
-    if wrapped and not precheck.SUBCLASSES:
+    if wrapped and not precheck.subclasses_on():
         raise Fallback("tensor subclass")
     if not saved_hooks and not pynode_indices and not wrapped:
         lifted = capture.lifted()

@@ -15,7 +15,9 @@ from .subclasses import unflattenable
 
 # Traceable wrapper subclasses (DTensor, a user's) flattened into their inner tensors and traced
 # through their __torch_dispatch__ (docs/design/subclasses.md), unless COMPILED_AUTOGRAD_SUBCLASSES=0
-SUBCLASSES = config.SUBCLASSES.read() != "0"
+def subclasses_on() -> bool:
+    """COMPILED_AUTOGRAD_SUBCLASSES, read when used."""
+    return config.SUBCLASSES.on()
 
 
 def global_state(dtensors: bool = True) -> tuple:
@@ -85,7 +87,7 @@ def precheck(roots, grads, create_graph, inputs, accumulate_grad) -> tuple[str |
         return "TorchDispatchMode active", False
     for g in grads:
         if g is not None and type(g) not in (torch.Tensor, torch.nn.Parameter):
-            if not SUBCLASSES or not (is_traceable_wrapper_subclass(g) or _held(g)):
+            if not subclasses_on() or not (is_traceable_wrapper_subclass(g) or _held(g)):
                 return "tensor subclass root grad", False
     return None, False
 
