@@ -590,3 +590,51 @@ def test_two_processes_on_one_machine_share_one_compile(tmp_path):
         assert p.returncode == 0, err[-2000:]
         counts.append(tuple(int(v) for v in out.split("stats", 1)[1].split()))
     assert sorted(counts) == [(0, 1, 0), (1, 0, 0)], counts  # (child compiles, shared compiles, failures)
+
+
+_RANK_SHARES_A_COMPILE = """
+import os, sys, time, torch, torch.distributed as dist
+torch.set_num_threads(1)
+dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+import compiled_autograd as ca
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(
+    torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)))
+for step in range(4):
+    x = torch.randn(16, 32)
+    with ca.enable("inductor"):
+        model(x).square().sum().backward()
+ca.synchronize()
+s = ca.stats()
+print("stats", s.child_compiles, s.shared_compiles, s.compile_failures, flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_ranks_on_separate_caches_share_one_compile_through_the_process_group(tmp_path):
+    """NOTE [One compile per job]: two ranks of a DDP job with a cache directory each (standing for
+    two machines) compile their graph once: one rank compiles, the other loads its artifacts from
+    the process group's store (a counter in each)."""
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   COMPILED_AUTOGRAD_GRAPH_DIR=str(tmp_path / f"graphs{rank}"), COMPILED_AUTOGRAD_DISK_CACHE="1",
+                   TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor{rank}"), COMPILED_AUTOGRAD_CHILD_NICE="0",
+                   COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="0")
+        procs.append(subprocess.Popen([sys.executable, "-c", _RANK_SHARES_A_COMPILE], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    counts = []
+    for p in procs:
+        out, err = p.communicate(timeout=900)
+        assert p.returncode == 0, err[-2000:]
+        counts.append(tuple(int(v) for v in out.split("stats", 1)[1].split()))
+    assert sorted(counts) == [(0, 1, 0), (1, 0, 0)], counts  # (child compiles, shared compiles, failures)

@@ -130,6 +130,34 @@ def package_later(graph, plan, inputs, slot: PackageSlot | None, patches) -> Non
     _wait_at_exit.register()
 
 
+def _compile_in_child_once(cfg: Config, graph, example, marker) -> None:
+    """The child compile of a graph, once per job or machine: claimed through the process group
+    (NOTE [One compile per job]) or beside the graph's marker (NOTE [One compile per machine]),
+    or waited for where another process claimed it (compile/claims.py)."""
+    claim = claims.path_of(marker)
+    job = claims.job_claim(_job_key(cfg, graph))
+    if job is not None and not job.take():
+        artifacts = job.wait()
+        if artifacts is not None and claims.load_artifacts(artifacts):
+            with LOCK:
+                STATS.shared_compiles += 1
+            return
+    elif job is None and claim is not None and _compiled_elsewhere(claim, marker):
+        return
+    artifacts = [] if job is not None else None
+    in_child = child.compile_in_child(graph, example, cfg.inductor_patches, marker, claim, artifacts)
+    with LOCK:
+        STATS.child_compiles += int(in_child)
+    if job is not None:
+        job.publish(artifacts[0] if in_child and artifacts else None)
+
+
+def _job_key(cfg: Config, graph) -> str:
+    import hashlib
+
+    return hashlib.sha256((graph.code + child.fingerprint(cfg, cache_dir=False)).encode()).hexdigest()[:32]
+
+
 def _compiled_elsewhere(claim: str, marker) -> bool:
     """NOTE [One compile per machine]: True where another process compiled the graph while this
     one waited (a child left by an earlier one adopted meanwhile); False once this process holds
@@ -169,11 +197,7 @@ def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, wh
                     with LOCK:
                         marker, slot = _when_compiled.pop(id(entry), WhenCompiled(None, None))
                     if child.applies(cfg.backend, is_dynamic):  # NOTE [Compiling in a child process]
-                        claim = claims.path_of(marker)  # NOTE [One compile per machine] (compile/claims.py)
-                        if claim is None or not _compiled_elsewhere(claim, marker):
-                            in_child = child.compile_in_child(graph, example, cfg.inductor_patches, marker, claim)
-                            with LOCK:
-                                STATS.child_compiles += int(in_child)
+                        _compile_in_child_once(cfg, graph, example, marker)
                     inputs = example() if callable(example) else example
                     fn = backends.compile_graph(cfg.backend, boxed.plain_module(graph), inputs, dynamic=is_dynamic, patches=cfg.inductor_patches)
             finally:

@@ -84,17 +84,17 @@ def applies_to(cfg) -> bool:
     return bool(cfg.background_compile) and not cfg.fullgraph and applies(cfg.backend, False)
 
 
-def fingerprint(cfg) -> str:
+def fingerprint(cfg, cache_dir: bool = True) -> str:
     """What decides whether a compile cached by another process serves this one (NOTE [A graph
     known compiled], cache/disk.py): the backend's options, the configs that enter inductor's
-    and AOTAutograd's keys, the thread count."""
+    and AOTAutograd's keys, the thread count, and (`cache_dir`) the cache directory it is in."""
     import hashlib
 
     import torch._functorch.config  # noqa: F401  (imported: their values count)
     import torch._inductor.config  # noqa: F401
 
     configs = repr(sorted((k, repr(v)) for k, v in _configs().items()))
-    key = (cfg.backend_key, cfg.inductor_patches, configs, torch.get_num_threads(), _cache_dir())
+    key = (cfg.backend_key, cfg.inductor_patches, configs, torch.get_num_threads(), _cache_dir() if cache_dir else None)
     return hashlib.sha256(repr(key).encode()).hexdigest()
 
 
@@ -135,12 +135,14 @@ def _isa_patches() -> dict:
     return isa_patches()
 
 
-def compile_in_child(gm: torch.fx.GraphModule, example_inputs, patches: dict | None, marker=None, claim=None) -> bool:
+def compile_in_child(gm: torch.fx.GraphModule, example_inputs, patches: dict | None, marker=None, claim=None, artifacts=None) -> bool:
     """Compile the graph in a child process (NOTE [Compiling in a child process]); True when the
     child finished. Whatever happens, the caller compiles in-process next. `marker`: (disk key,
     fingerprint) the child marks compiled when it is done (NOTE [A graph known compiled]);
     `claim`: this process's claim of the compile, handed to the child (NOTE [One compile per
-    machine]), released when it ends here (the child releases it where it outlives us)."""
+    machine]), released when it ends here (the child releases it where it outlives us);
+    `artifacts`: a list the child's portable cache artifacts are appended to (NOTE [One compile
+    per job], compile/claims.py)."""
     try:
         payload = pickle.dumps(
             {
@@ -151,6 +153,7 @@ def compile_in_child(gm: torch.fx.GraphModule, example_inputs, patches: dict | N
                 "threads": torch.get_num_threads(),  # (inductor's key has the thread count)
                 "marker": marker,
                 "claim": claim,
+                "artifacts": artifacts is not None,
                 "isa": _isa_patches(),  # (the parent's decision: NOTE [The machine's vector ISAs, probed once])
             }
         )
@@ -161,7 +164,15 @@ def compile_in_child(gm: torch.fx.GraphModule, example_inputs, patches: dict | N
         fd, path = tempfile.mkstemp(prefix="compiled_autograd_graph_", suffix=".pkl")
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
-        return _run_child(path, claim)  # (the child removes the file once it has read it)
+        done = _run_child(path, claim)  # (the child removes the file once it has read it)
+        if artifacts is not None:  # (what the child saved of its compile: path + ".artifacts")
+            try:
+                with open(path + ".artifacts", "rb") as f:
+                    artifacts.append(f.read())
+                os.unlink(path + ".artifacts")
+            except OSError:
+                pass
+        return done
 
 
 # The child lowers its priority first, before it imports torch and this package (3.7 s of CPU
@@ -489,6 +500,11 @@ def main(argv=None) -> int:
     fakes = fakes_of(payload["inputs"])
     with compile_lock, torch.no_grad():
         compile_inductor(gm, fakes, False, payload["patches"])
+    if payload.get("artifacts"):  # NOTE [One compile per job] (compile/claims.py)
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is not None:
+            with open(argv[0] + ".artifacts", "wb") as f:
+                f.write(saved[0])
     if payload.get("marker") is not None:  # (a child left to finish after exit: nobody else will)
         write_marker(*payload["marker"])
     claims.release(payload.get("claim"))

@@ -155,3 +155,67 @@ def _marked(marker) -> bool:
             return f.read() == marker[1]
     except OSError:
         return False
+
+
+# NOTE [One compile per job]
+# Ranks on different machines share no cache directory (nor do ranks given one each): each would
+# compile the same graph. Where a process group is up, the compile of a graph is claimed through
+# its store instead (the default store of torch.distributed: a key-value service every rank
+# reaches, used outside the collectives, so no rank waits for another at a step): the first rank
+# to add to the graph's claim key compiles it, in its child, which also saves what it compiled as
+# inductor's portable cache artifacts (torch.compiler.save_cache_artifacts); that rank publishes
+# them in the store. Every other rank waits for them -- its backwards of that graph in eager
+# meanwhile -- loads them into its own caches (torch.compiler.load_cache_artifacts) and loads the
+# graph from there. A rank whose compile failed publishes nothing, and the others compile it
+# themselves.
+class JobClaim:
+    """The compile of one graph, claimed through the process group's store (NOTE above)."""
+
+    PREFIX = "compiled_autograd/compile/"
+
+    def __init__(self, store, key: str):
+        self.store, self.key = store, key
+
+    def take(self) -> bool:
+        return self.store.add(self.PREFIX + "claim/" + self.key, 1) == 1
+
+    def publish(self, artifacts: bytes | None) -> None:
+        self.store.set(self.PREFIX + "artifacts/" + self.key, artifacts or b"")
+        self.store.set(self.PREFIX + "done/" + self.key, b"1")
+
+    def wait(self, tick=None) -> bytes | None:
+        """The artifacts the claiming rank published (None where it failed), once it has."""
+        done = self.PREFIX + "done/" + self.key
+        while not self.store.check([done]):
+            if tick is not None:
+                tick()
+            time.sleep(POLL_S)
+        got = self.store.get(self.PREFIX + "artifacts/" + self.key)
+        return bytes(got) or None
+
+
+def job_claim(key: str) -> JobClaim | None:
+    """The job's claim of a graph's compile, where a process group of more than one rank is up."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")  # (never imported here: only where the user did)
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+            return None
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # (no store to reach: each rank compiles, or shares the machine's claim)
+        log.debug("no process group store for the compile's claim", exc_info=True)
+        return None
+    return JobClaim(store, key)
+
+
+def load_artifacts(artifacts: bytes) -> bool:
+    """Another rank's compile, loaded into this process's caches (NOTE [One compile per job])."""
+    try:
+        import torch
+
+        torch.compiler.load_cache_artifacts(artifacts)
+        return True
+    except Exception:
+        log.debug("could not load another rank's compile", exc_info=True)
+        return False

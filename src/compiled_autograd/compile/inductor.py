@@ -25,7 +25,14 @@ def compile_inductor(gm, example_inputs, dynamic: bool, patches: dict | None):
     # lifted tensor's sizes and strides (or their symbols and guards), so a
     # graph is only ever called with the geometry it was compiled for.
     isa = isa_patches()  # NOTE [The machine's vector ISAs, probed once]
-    with inductor_config.patch({"size_asserts": False, **isa, **(patches or {})}), (
+    # NOTE [Graphs with calls in inductor's caches]: a graph whose calls (hooks, opaque nodes, in-graph
+    # AccumulateGrad) AOTAutograd wraps in `with_effects` was never cached ("Can't cache
+    # HigherOrderOperator: with_effects"): a child's compile of it was lost, the training process
+    # compiled it again in full (a DDP graph: its reducer hooks), and no later process or rank found
+    # it. The op it wraps is ours, its lowering keyed by our code (_cache_tag): marked cacheable,
+    # keyed by that code's digest.
+    cacheable = {**inductor_config.unsafe_marked_cacheable_functions, "torch.ops.higher_order.with_effects": _code_digest()}
+    with inductor_config.patch({"size_asserts": False, "unsafe_marked_cacheable_functions": cacheable, **isa, **(patches or {})}), (
         torch_patches.scoped(torch_patches.DYNAMIC_INDUCTOR) if dynamic else contextlib.nullcontext()
     ), _cache_tag(dynamic) as tagged:
         # NOTE [Inductor's FX graph cache for our graphs]
