@@ -224,7 +224,7 @@ def test_retain_graph_through_a_region_with_donated_buffers_raises_as_eager():
 def test_a_region_with_donated_buffers_runs_as_is_without_retain_graph():
     # a region run opaquely inside our graph runs in a graph task of ours, which kept its
     # graph: its backward refused the donated buffers that eager's (retain_graph=False) runs
-    # with (NOTE in calls/graph_task.py's in_graph_task)
+    # with (NOTE in graph_task.py's in_graph_task)
     torch.manual_seed(0)
     w = torch.randn(5, 5, requires_grad=True)
     region = torch.compile(lambda x, b: ((x @ w).sin() * b).cos(), backend="aot_eager")

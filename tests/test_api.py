@@ -461,7 +461,7 @@ def test_a_backward_whose_capture_fails_twice_is_not_traced_again():
 def test_in_graph_task_is_a_new_graph_task_each_time_nests_and_survives_errors():
     # graph_task.in_graph_task reuses its one-node graph (retained): each run must still be
     # its own graph task, a nested run gets another graph, and an error leaves it usable
-    from compiled_autograd.calls.graph_task import in_graph_task
+    from compiled_autograd.graph_task import in_graph_task
 
     task_id = torch._C._current_graph_task_id
     ids = [in_graph_task(task_id) for _ in range(3)]

@@ -41,6 +41,18 @@ def _upstream_compiler_fn(gm):
     return torch.compile(gm, backend=inner, fullgraph=True, dynamic=True)
 
 
+_HELD = []  # the storages the hooks saw, kept alive for the test's length
+
+
+def _storage_id(storage):
+    """Upstream compares `id()` of storage objects; a storage freed after the hook (the grad
+    copied) may leave its address to the next one, and `id()` then says "same": a flaky "Should be
+    copied" (seen once in a full run). The storage is held and its data pointer compared: the
+    same meaning (the same memory), and no address is reused while it is held."""
+    _HELD.append(storage)
+    return storage.data_ptr()
+
+
 def upstream_backend(gm, example_inputs):
     """Upstream's compiler_fn as a callable backend of ours (ours also passes the inputs)."""
     return _upstream_compiler_fn(gm)
@@ -120,7 +132,7 @@ def test_accumulate_grad_polyfill_case_1_1(backend):
         def check(grad):
             nonlocal pre_hook_storage_id
             assert pre_hook_storage_id is None
-            pre_hook_storage_id = id(grad.untyped_storage())
+            pre_hook_storage_id = _storage_id(grad.untyped_storage())
 
         var = _leaf(step)
         var.register_hook(check)
@@ -131,7 +143,7 @@ def test_accumulate_grad_polyfill_case_1_1(backend):
         assert var.grad is not None, "Grad should be defined"
         assert torch.equal(var.grad, torch.ones_like(var) * 5), "Grad content should be as returned by backward"
         assert var.grad.requires_grad is False, "Detached grad should not require grad"
-        assert id(var.grad.untyped_storage()) == pre_hook_storage_id, "Should be stolen"
+        assert _storage_id(var.grad.untyped_storage()) == pre_hook_storage_id, "Should be stolen"
         return var.grad
 
     compare(run, backend, steps=2, captures=1, hits=1)
@@ -159,8 +171,8 @@ def test_accumulate_grad_polyfill_case_1_2(invariants):
             nonlocal pre_hook_storages_id
             assert pre_hook_storages_id is None
             pre_hook_storages_id = [
-                id(grad._indices().untyped_storage()),
-                id(grad._values().untyped_storage()),
+                _storage_id(grad._indices().untyped_storage()),
+                _storage_id(grad._values().untyped_storage()),
             ]
 
         var = _leaf(step)
@@ -174,8 +186,8 @@ def test_accumulate_grad_polyfill_case_1_2(invariants):
         expected_dense_grad = torch.tensor([[5.0, 0.0], [0.0, 5.0]])
         assert torch.equal(var.grad.to_dense(), expected_dense_grad), "Content should be equal after shallow copy"
         assert var.grad.requires_grad is False, "Detached grad should not require grad"
-        assert id(var.grad._indices().untyped_storage()) == pre_hook_storages_id[0], "Should be stolen"
-        assert id(var.grad._values().untyped_storage()) == pre_hook_storages_id[1], "Should be stolen"
+        assert _storage_id(var.grad._indices().untyped_storage()) == pre_hook_storages_id[0], "Should be stolen"
+        assert _storage_id(var.grad._values().untyped_storage()) == pre_hook_storages_id[1], "Should be stolen"
         return var.grad.to_dense(), var.grad.is_sparse
 
     steps = 3 if invariants else 2
@@ -215,8 +227,8 @@ def test_accumulate_grad_polyfill_case_1_3(backend, invariants):
             nonlocal pre_hook_storages_id
             assert pre_hook_storages_id is None
             pre_hook_storages_id = [
-                id(grad._indices().untyped_storage()),
-                id(grad._values().untyped_storage()),
+                _storage_id(grad._indices().untyped_storage()),
+                _storage_id(grad._values().untyped_storage()),
             ]
 
         var = _leaf(step)
@@ -230,8 +242,8 @@ def test_accumulate_grad_polyfill_case_1_3(backend, invariants):
         expected_dense_grad = torch.tensor([[5.0, 0.0], [0.0, 5.0]])
         assert torch.equal(var.grad.to_dense(), expected_dense_grad), "Content should be equal after clone"
         assert var.grad.requires_grad, "Grad should require grad for double backward"
-        assert id(var.grad._indices().untyped_storage()) != pre_hook_storages_id[0], "Should be copied"
-        assert id(var.grad._values().untyped_storage()) != pre_hook_storages_id[1], "Should be copied"
+        assert _storage_id(var.grad._indices().untyped_storage()) != pre_hook_storages_id[0], "Should be copied"
+        assert _storage_id(var.grad._values().untyped_storage()) != pre_hook_storages_id[1], "Should be copied"
         return var.grad.detach().to_dense(), var.grad.is_sparse, var.grad.requires_grad
 
     steps = 3 if invariants else 2

@@ -31,7 +31,7 @@ SafePyObject decref -> gil_scoped_acquire -> take_gil -> PyThread_exit_thread ->
 the main thread holds the GIL in ~Reducer -> ~ProcessGroupGloo -> std::thread::join while the
 worker waits, the job hangs instead (the issue's stack). Our graphs call hooks in a one-node
 graph task started with the engine directly (NOTE [No Python object in the backward's
-thread-local state], src/compiled_autograd/calls/graph_task.py): their collectives carry no
+thread-local state], src/compiled_autograd/graph_task.py): their collectives carry no
 Python object, and the worker never needs the GIL.
 
 Measured (2 cores shared with other work, torch 2.13 CPU, Python 3.11.7; ours:/tmp/ca_after a

@@ -130,7 +130,7 @@ def _run_backward(
     opaque = opaque_subclasses(grads)
     while True:
         try:
-            capture = C.GraphCapture(list(roots), list(grads), list(inputs), accumulate_grad, opaque)
+            walk = C.GraphWalk(list(roots), list(grads), list(inputs), accumulate_grad, opaque)
         except RuntimeError as e:  # misuse (freed graph, modified saved tensor): eager raises the same error
             pause.resume()
             if "NestedTensor support not implemented" in str(e):
@@ -139,25 +139,25 @@ def _run_backward(
                 return _fall_back(cfg, "tensor subclass: a nested tensor in the graph", eager)
             return _fall_back(cfg, f"collection error: {str(e).splitlines()[0][:120]}", eager, user_error=True)
         try:
-            out = _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, accumulate_grad, pause)
+            out = _after_walk(cfg, eager, walk, keep_graph, create_graph, allow_unused, accumulate_grad, pause)
         finally:
-            capture.restore_saved_hooks()  # NOTE [Handing unpacked tensors to their saved variables] (native helper)
+            walk.restore_saved_hooks()  # NOTE [Handing unpacked tensors to their saved variables] (native helper)
         if out is not _WALK_AGAIN or opaque:
             return out
         opaque = True  # (a subclass without __tensor_flatten__: its nodes opaque, NOTE [Values passed by reference])
 
 
-_WALK_AGAIN = object()  # _run_capture's answer: walk again with every subclass's nodes opaque
+_WALK_AGAIN = object()  # _after_walk's answer: walk again with every subclass's nodes opaque
 
 
-def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, accumulate_grad, pause):
+def _after_walk(cfg, eager, walk, keep_graph, create_graph, allow_unused, accumulate_grad, pause):
     """After the walk: collect, look up, then a hit or a miss, and apply (or run in eager)."""
-    collected, reason, user_error = _collect(capture, keep_graph, create_graph)
+    collected, reason, user_error = _collect(walk, keep_graph, create_graph)
     if reason is _WALK_AGAIN:
-        capture.clear()
+        walk.clear()
         return reason
     if reason is not None or isinstance(collected, Learn):
-        capture.clear()
+        walk.clear()
         pause.resume()
         if reason is not None:
             return _fall_back(cfg, reason, eager, user_error)
@@ -177,23 +177,23 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
             REFUSALS.mark_unsupported(key, reason)
     if reason is not None:
         collected = None  # (eager frees the saved tensors as it goes: nothing of ours may hold them)
-        capture.clear()
+        walk.clear()
         pause.resume()
         return _fall_back(cfg, reason, eager)
     if fam is None and not create_graph:
         watch = learning.opaque_outputs_to_learn(cfg, key, collected)
         if watch:  # NOTE [Layouts of call outputs] (calls/kernel.py)
             collected = None
-            capture.clear()
+            walk.clear()
             pause.resume()
             return learning.learn_node_layouts(key, watch, eager)
-    capture.grad_mode = create_graph  # AccumulateGrad applies the results as under create_graph
-    run = _OneBackward(cfg, key, fam, collected, capture, keep_graph, create_graph)
+    walk.grad_mode = create_graph  # AccumulateGrad applies the results as under create_graph
+    run = _OneBackward(cfg, key, fam, collected, walk, keep_graph, create_graph)
     del collected  # (the run holds the lifted tensors, and lets go of them before applying)
     if run.entry is not None and run.entry.compiling:
         # NOTE [Steps while a graph compiles]
         run = None
-        capture.clear()
+        walk.clear()
         pause.resume()
         with LOCK:
             STATS.eager_while_compiling += 1
@@ -213,20 +213,20 @@ def _run_capture(cfg, eager, capture, keep_graph, create_graph, allow_unused, ac
     return out
 
 
-def _collect(capture, keep_graph, create_graph):
+def _collect(walk, keep_graph, create_graph):
     """(Collected or Learn or None, why to run in eager or None, whether eager is there to raise
     the user's error). (The try decides only: an eager backward run inside it would run again,
     from the start, if it raised a RuntimeError -- its own, or a hook's.)"""
     try:
-        if capture.unsupported:
-            return None, capture.unsupported, False
+        if walk.unsupported:
+            return None, walk.unsupported, False
         # create_graph=True with saved-tensor hooks runs in eager (create_graph_unsupported),
         # whose unpack hooks must not have run already
-        collected = collect(capture, run_unpack_hooks=not create_graph, keep_graph=keep_graph)
+        collected = collect(walk, run_unpack_hooks=not create_graph, keep_graph=keep_graph)
         if collected is None:
             return None, "create_graph=True with saved-tensor hooks", False
         if isinstance(collected, Learn):
-            capture.learn_unpacks(sorted(collected.keys), collected.report)
+            walk.learn_unpacks(sorted(collected.keys), collected.report)
         elif create_graph and collected.subclasses:
             return None, "create_graph=True with tensor subclasses (not yet: docs/design/subclasses.md)", False
         return collected, None, False
@@ -260,8 +260,8 @@ class _Resume:
 class _OneBackward:
     """One compiled backward after its key: a hit or a miss, then its results applied."""
 
-    def __init__(self, cfg, key, fam, collected, capture, keep_graph, create_graph):
-        self.cfg, self.key, self.fam, self.collected, self.capture = cfg, key, fam, collected, capture
+    def __init__(self, cfg, key, fam, collected, walk, keep_graph, create_graph):
+        self.cfg, self.key, self.fam, self.collected, self.walk = cfg, key, fam, collected, walk
         self.keep_graph, self.create_graph = keep_graph, create_graph
         self.lifted = collected.lifted
         self.entry, self.extra = fam.lookup(collected.sizes, self.lifted) if fam is not None else (None, [])
@@ -288,7 +288,7 @@ class _OneBackward:
                 del first
             else:
                 resume = _Resume(entry, self.collected)
-                results = run_graph(entry, self.capture, self.lifted, self.extra, self.collected.hooks, free_on_failure=not self.keep_graph,
+                results = run_graph(entry, self.walk, self.lifted, self.extra, self.collected.hooks, free_on_failure=not self.keep_graph,
                                     observed=self.observed, keep_graph=self.keep_graph, resume=resume)
                 self.recorded = resume.stopped is not None  # (its results are the resumed steps': not the function's)
         except BaseException:
@@ -298,7 +298,7 @@ class _OneBackward:
         return results
 
     def hit(self):
-        entry, capture, collected = self.entry, self.capture, self.collected
+        entry, walk, collected = self.entry, self.walk, self.collected
         with LOCK:
             STATS.hits += 1
         resume = _Resume(entry, collected)
@@ -311,17 +311,17 @@ class _OneBackward:
             # `collected.hooks`)
             args = self.lifted + self.extra
             self.lifted.clear()
-            capture.drop_lifted(bool(entry.plan.resume))  # (kept where a call may stop the graph)
+            walk.drop_lifted(bool(entry.plan.resume))  # (kept where a call may stop the graph)
             releases = entry.plan.releases
             if not releases:
-                capture.release()
+                walk.release()
             elif releases[0][0] == -1:
-                capture.release_nodes(releases[0][1])
+                walk.release_nodes(releases[0][1])
             self.released = True
-            results = run_graph(entry, capture, args, [], collected.hooks, releases, observed=self.observed, keep_graph=self.keep_graph,
+            results = run_graph(entry, walk, args, [], collected.hooks, releases, observed=self.observed, keep_graph=self.keep_graph,
                                 resume=resume)
         else:
-            results = run_graph(entry, capture, self.lifted, self.extra, collected.hooks, free_on_failure=not self.keep_graph,
+            results = run_graph(entry, walk, self.lifted, self.extra, collected.hooks, free_on_failure=not self.keep_graph,
                                 observed=self.observed, keep_graph=self.keep_graph, resume=resume)
         if resume.stopped is not None:  # NOTE [A call output not as traced] (capture/resume.py)
             self.recorded = True  # (the resumed steps' results: not the function's, not checked)
@@ -331,10 +331,10 @@ class _OneBackward:
 
     def failed(self, e: Exception, eager, pause):
         """Raise, or run this backward in eager autograd where nothing of it ran yet."""
-        cfg, key, entry, capture = self.cfg, self.key, self.entry, self.capture
+        cfg, key, entry, walk = self.cfg, self.key, self.entry, self.walk
         if isinstance(e, BackendOutputError):  # (create_graph's first run: its graph checks itself)
             CACHE.discard(key, entry)
-            capture.clear()
+            walk.clear()
             raise e
         if self.released or (entry is not None and entry.plan.slots):
             # opaque calls (hooks, nodes) may have run, or the saved tensors are
@@ -350,13 +350,13 @@ class _OneBackward:
                 ) from e
             raise e
         if isinstance(e, LearnLayouts):  # NOTE [Nodes made opaque by their trace] (cache/learning.py)
-            watch = [(i, capture.node_object(i)) for i in e.idxs]
+            watch = [(i, walk.node_object(i)) for i in e.idxs]
             self.lifted = self.collected = None
-            capture.clear()
+            walk.clear()
             pause.resume()
             return learning.learn_node_layouts(key, watch, eager)
         self.lifted = self.collected = None  # (eager frees the saved tensors as it goes)
-        capture.clear()
+        walk.clear()
         pause.resume()
         if isinstance(e, Fallback):
             REFUSALS.mark_unsupported(key, e.reason)
@@ -375,10 +375,10 @@ class _OneBackward:
 
     def finish(self, results, accumulate_grad, allow_unused):
         """Apply the results with eager semantics, free the graph, return grad()'s results."""
-        entry, capture = self.entry, self.capture
+        entry, walk = self.entry, self.walk
         if not entry.checked and not self.recorded:  # NOTE [A compiled graph's outputs are checked on its first run] (replay/validate.py)
             try:
-                check_outputs(self.key, entry, capture, results, self.collected.sizes)
+                check_outputs(self.key, entry, walk, results, self.collected.sizes)
             except BackendOutputError as e:  # NOTE [A graph you can run]: the file that shows it, named in the error
                 path = repro.write_failed(entry)
                 raise BackendOutputError(f"{e} A script that reproduces it: {path}") if path is not None else e from None
@@ -388,11 +388,11 @@ class _OneBackward:
                 for _, name, why in entry.plan.opaque:
                     reasons.count(STATS.opaque_reasons, STATS.opaque_details, why, reasons.OPAQUES, f"{name}: {why}")
         self.lifted = self.collected = None
-        captured = apply(entry, capture, results)
+        captured = apply(entry, walk, results)
         del results
         if not self.keep_graph:
-            capture.release()
-        capture.clear()
+            walk.release()
+        walk.clear()
         if accumulate_grad:
             return ()
         if not allow_unused:

@@ -5,7 +5,7 @@ a capture hands the replay; how a compiled graph is called. (The call's own enco
 is calls/protocol.py's.)
 
 The native helper builds some of them as plain tuples in the field order given
-here (its `GraphCapture.nodes()` makes NodeRows' tuples); nothing reads them by
+here (its `GraphWalk.nodes()` makes NodeRows' tuples); nothing reads them by
 position but the constructors below.
 """
 
@@ -92,7 +92,7 @@ class Collected:
     together identify a static graph; a dynamic graph matches `key`, the
     sizes it keeps static, and its guards."""
 
-    capture: Any
+    walk: Any  # the native walk of this backward (GraphWalk)
     key: tuple
     sizes: tuple
     n_size_inputs: int
@@ -153,7 +153,7 @@ class Collected:
     @functools.cached_property
     def nodes(self) -> tuple:
         """A NodeRow per node, in the engine's order."""
-        return NodeRow.rows(self.capture)
+        return NodeRow.rows(self.walk)
 
 
 def _arrives(t) -> bool:
@@ -427,7 +427,7 @@ class SlotKind(NamedTuple):
     # how the call's kernel runs it: (capture, node, args, mask, metas, hooks, steal) -> its outputs
     run: Callable
     native: CallHow = CallHow.PYTHON  # what the native helper runs for it
-    stage: int = -1  # where in its node's steps it runs (GraphCapture.hooks_added); -1: no hooks check
+    stage: int = -1  # where in its node's steps it runs (GraphWalk.hooks_added); -1: no hooks check
     accumulates: bool = False  # hands a grad to AccumulateGrad; returns nothing
     completes_node: bool = False  # eager has applied (and released) node `at` when it runs (NOTE [A backward that raised part way])
     reads_saved: bool = True  # may read saved tensors (NOTE [Saved tensors freed as eager frees them])

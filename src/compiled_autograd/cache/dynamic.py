@@ -27,7 +27,7 @@ def new_key_reason(collected) -> str:
     same = [e for e in entries if e.node_names == names]
     if not same:
         return "new graph structure (nodes differ from every cached graph)"
-    mine = node_keys(collected.capture)
+    mine = node_keys(collected.walk)
     best = None
     for e in same:
         diff = [i for i, (a, b) in enumerate(zip(mine, e.node_keys)) if a != b]

@@ -143,7 +143,7 @@ class replaying:
 
 
 # NOTE [Engine queries from hooks]
-# Hooks run inside a one-node eager graph task (calls/graph_task.py in_graph_task), so what
+# Hooks run inside a one-node eager graph task (graph_task.py in_graph_task), so what
 # the engine answers about "the current backward" is about that task, not ours.
 # torch.autograd.graph.register_multi_grad_hook(mode="all") counts the calls it
 # waits for with torch._C._will_engine_execute_node: every node but that one
@@ -154,7 +154,7 @@ def will_engine_execute_node(node):
     """The captured graph's answer, from its own graph task; None: eager's answer (the
     patch of torch._C._will_engine_execute_node is compile/torch_patches.py's)."""
     if _replay.stack and _replay.tasks[-1] != -1 and _replay.tasks[-1] == torch._C._current_graph_task_id():
-        return _replay.stack[-1].capture.will_execute(node)
+        return _replay.stack[-1].walk.will_execute(node)
     return None
 
 
@@ -163,7 +163,7 @@ def call(slot: int, args: list[Optional[torch.Tensor]], meta: list[int], flags: 
     """One call of a running graph, in the backward call's dispatch state: the op's kernel (the
     dispatcher runs it below autograd; `at_autograd` and `direct` reach it without that)."""
     frame = _replay.stack[-1]
-    capture, slots, outside, hooks, steal, keep = frame.capture, frame.slots, frame.outside, frame.hooks, frame.steal, frame.keep
+    capture, slots, outside, hooks, steal, keep = frame.walk, frame.slots, frame.outside, frame.hooks, frame.steal, frame.keep
     versions, ctx, releases, observed = frame.versions, frame.ctx, frame.releases, frame.observed
     s = slots[slot]
     kind, node, mask, in_flags, fresh, n_after, shared, n_watch = s.kind, s.node, s.mask, s.in_flags, s.fresh, s.n_after, s.shared, s.n_watch
@@ -358,7 +358,7 @@ def _fast_path() -> bool:
     running graph is a create_graph one (NOTE [create_graph with an opaque node], replay/run.py):
     what the call returns then keeps the history its node built."""
     return torch._C._len_torch_dispatch_stack() == 0 and (
-        not torch.is_grad_enabled() or bool(_replay.stack and _replay.stack[-1].capture.grad_mode))
+        not torch.is_grad_enabled() or bool(_replay.stack and _replay.stack[-1].walk.grad_mode))
 
 
 def at_autograd(slot, args, meta, flags):
@@ -524,7 +524,7 @@ def conform_from_native(slot, outs, keep, meta, flags, args, values):
     the same rules, in one place (NOTE [Calls in the helper])."""
     frame = _replay.stack[-1]
     s = frame.slots[slot]
-    return _conform(s.kind, frame.capture, s.node, s.mask, outs, keep, decode_meta(meta), flags, slot, frame.observed,
+    return _conform(s.kind, frame.walk, s.node, s.mask, outs, keep, decode_meta(meta), flags, slot, frame.observed,
                     (args, values) if s.n_resume >= 0 else None)
 
 

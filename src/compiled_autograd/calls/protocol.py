@@ -104,7 +104,7 @@ class ReplayFrame(NamedTuple):
     """What the calls of one running graph resolve against (calls/kernel.py `replaying`; the
     native helper reads it by values.h's field indices)."""
 
-    capture: object  # the backward's collected graph (the native GraphCapture)
+    walk: object  # the backward's collected graph (the native GraphWalk)
     slots: tuple  # the plan's Slots
     outside: object  # the dispatch keys the backward call excluded (calls run with them)
     hooks: object  # a values.HookedTensor per hooked saved tensor, for UNPACK calls

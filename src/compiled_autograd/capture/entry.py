@@ -19,7 +19,7 @@ from ..errors import Fallback, LearnLayouts
 from ..observe.captures import describe_dynamic, log_capture, node_keys
 from ..observe.logs import compile_status
 from ..observe.stats import LOCK, STATS
-from ..calls.graph_task import in_graph_task
+from ..graph_task import in_graph_task
 from ..replay.validate import expected_outputs
 from ..values import NodeSummary
 from .create_graph import split_joint
@@ -51,7 +51,7 @@ def _untraced_user_function(collected, idx, name, why) -> bool:
     return (
         info is not None
         and " backward not traceable: " in why
-        and not compiled_region.is_compiled_function(collected.capture.node_object(idx)._forward_cls)
+        and not compiled_region.is_compiled_function(collected.walk.node_object(idx)._forward_cls)
     )
 
 
@@ -126,7 +126,7 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
         sizes=collected.sizes,
         dynamic=dynamic_of(captured, collected.sizes) if is_dynamic else None,
         nodes=nodes,
-        node_keys=node_keys(collected.capture),
+        node_keys=node_keys(collected.walk),
         compiled=not background and not in_grad_mode,
         compiling=background and not in_grad_mode,
         vjp=vjp,

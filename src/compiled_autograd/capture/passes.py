@@ -78,7 +78,7 @@ def version_checked_inputs(collected) -> frozenset:
     """The lifted indices of tensors eager checks the version of when a node unpacks them:
     saved variables of built-in nodes and custom Functions' save_for_backward (not root
     grads, tensors kept on ctx, or what unpack hooks returned)."""
-    c = collected.capture
+    c = collected.walk
     # (0-dim ones are left out: a wrapped number, `x * 2`'s 2, reaches a call as a Python number)
     out = {i for i, t in enumerate(collected.lifted[: collected.n_native]) if isinstance(t, torch.Tensor) and t.dim() > 0}
     out -= {g for _, _, g in c.roots() if g >= 0}
@@ -97,7 +97,7 @@ def passable_inputs(collected) -> frozenset:
     reach a call as Python numbers). Saved tensors are checked instead (`n_watch`): passing
     them on would keep each alive to the end of an inductor graph, which never frees an
     output it must not reuse (+17% peak memory on the hooked benchmark)."""
-    out = {g for _, _, g in collected.capture.roots() if g >= 0}
+    out = {g for _, _, g in collected.walk.roots() if g >= 0}
     out |= kept_indices(collected.pynodes, collected.lifted)
     out |= {i for i in collected.up_front if collected.lifted[i].dim() > 0}
     return frozenset(out | collected.arriving)

@@ -82,7 +82,7 @@ class Resumer(_BackwardTracer):
 
     def _go_on(self, args, point, buffers, stop):
         self.buffers = buffers
-        captured = [(-1, -1)] * self.capture.num_results()
+        captured = [(-1, -1)] * self.walk.num_results()
         if point.kind in (NODE, POST_HOOKS):  # the node's outputs, as they came
             values = list(stop.outs)
             self.resumed_inputs = [None if a is None else Value(a) for a in stop.args] if point.kind == NODE else []
@@ -90,7 +90,7 @@ class Resumer(_BackwardTracer):
             values = [None if o is None else Value(o) for o in stop.outs]
         if point.kind == UNPACK:  # (in the node's formula, after its hooks: the grads entering it)
             values = self.buffers.pop(point.node, [None] * self.nodes[point.node].num_inputs)
-        kernel.check_hooks_added(self.capture, point.kind, point.node)
+        kernel.check_hooks_added(self.walk, point.kind, point.node)
         self._step(point.node, values, args, captured, done=point.kind)
         for idx in range(point.node + 1, len(self.nodes)):
             self._step(idx, self.buffers.pop(idx, [None] * self.nodes[idx].num_inputs), args, captured)
@@ -99,8 +99,8 @@ class Resumer(_BackwardTracer):
         # each node in the backward's own grad mode, as the engine runs it: a hook that left
         # it changed (`torch.set_grad_enabled(True)` as a statement) changed it for its node
         # only (the node resumed in: the rest of it too)
-        if done is None and torch.is_grad_enabled() != self.capture.grad_mode:
-            torch._C._set_grad_enabled(self.capture.grad_mode)
+        if done is None and torch.is_grad_enabled() != self.walk.grad_mode:
+            torch._C._set_grad_enabled(self.walk.grad_mode)
         super()._step(idx, values, args, captured, done)
 
     def _apply(self, idx, kind, values, args):
@@ -117,9 +117,9 @@ class Resumer(_BackwardTracer):
         if info is not None:
             from .. import native
 
-            swap = native.load().PyNodeSavedSwap(self.capture.node_object(idx), [args[i] if i >= 0 else None for i in info.saved])
+            swap = native.load().PyNodeSavedSwap(self.walk.node_object(idx), [args[i] if i >= 0 else None for i in info.saved])
         try:
-            outs = self.capture.call_node(idx, [None if v is None else v.t for v in values])
+            outs = self.walk.call_node(idx, [None if v is None else v.t for v in values])
         finally:
             if swap is not None:
                 swap.restore()
@@ -140,7 +140,7 @@ class Resumer(_BackwardTracer):
 
     def _call(self, kind, node, args, out_metas, flags=False, values=None, keeps=None, outs_like_args=False, by_reference_outs=(),
               out_specs=()):
-        capture = self.capture  # (real tensors: a subclass, or a value held by reference, goes to its call as it is)
+        capture = self.walk  # (real tensors: a subclass, or a value held by reference, goes to its call as it is)
         mask = [m is not None for m in out_metas]
         row = SLOT_KINDS[kind]
         if kind == UNPACK:  # the hook, for real (once: one its node's formula unpacked before is given)

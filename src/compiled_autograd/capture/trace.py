@@ -71,7 +71,7 @@ class _BackwardTracer:
         self.layouts = layouts or {}  # (slot, output) -> dim order seen at run time (_layout)
         self.size_inputs = tuple(size_inputs)
         self.sym_sizes = [None] * collected.n_size_inputs
-        self.capture = collected.capture
+        self.walk = collected.walk
         self.nodes = collected.nodes
         self.opaque_extra = opaque_extra
         self.slots: list = []
@@ -216,7 +216,7 @@ class _BackwardTracer:
     def run(self, args, body=None):
         """The trace of the whole backward on `args` (or `body()`, with the same set-up: a
         resumed run, capture/resume.py)."""
-        c, capture = self.c, self.capture
+        c, capture = self.c, self.walk
         n = len(c.lifted)
         sym = [None] * c.n_size_inputs
         dims = list(c.sizes[c.in_graph_start :])  # shapes of the tensors unpacked in the graph
@@ -246,7 +246,7 @@ class _BackwardTracer:
             capture.end_trace()
 
     def _run(self, args):
-        capture = self.capture
+        capture = self.walk
         self.buffers = {}  # node -> the grads waiting for it, per input (the engine's InputBuffers)
         roots = capture.roots()
         for (idx, nr, _), t in zip(roots, references.root_values(self, args, roots)):
@@ -409,7 +409,7 @@ def _capture_backward(collected: Collected, opaque_names: tuple = (), mask=None,
             out["captured"] = captured
             return results
 
-        grad_mode, collected.capture.grad_mode = collected.capture.grad_mode, create_graph
+        grad_mode, collected.walk.grad_mode = collected.walk.grad_mode, create_graph
         try:
             with torch.set_grad_enabled(create_graph), mode, _quiet_fake_tensor_errors():
                 if recording and not symints and not create_graph:
@@ -426,7 +426,7 @@ def _capture_backward(collected: Collected, opaque_names: tuple = (), mask=None,
             opaque_extra[e.idx] = e.reason
             continue
         finally:
-            collected.capture.grad_mode = grad_mode
+            collected.walk.grad_mode = grad_mode
         differentiable = None
         if create_graph:
             differentiable = tuple(isinstance(r, torch.Tensor) and r.requires_grad for r in tracer.results)
@@ -501,7 +501,7 @@ def _record_live(collected, opaque_extra, layouts, refused: list) -> Captured | 
         results, out["captured"] = tracer.run(args)
         return results
 
-    grad_mode, collected.capture.grad_mode = collected.capture.grad_mode, False
+    grad_mode, collected.walk.grad_mode = collected.walk.grad_mode, False
     try:
         with torch.no_grad():
             gm = record(backward_graph, list(collected.lifted), recorder)
@@ -511,7 +511,7 @@ def _record_live(collected, opaque_extra, layouts, refused: list) -> Captured | 
         _refused(refused, "the live record", recorder, e, "live_refusals")
         return None
     finally:
-        collected.capture.grad_mode = grad_mode
+        collected.walk.grad_mode = grad_mode
     results = tracer.results
     tracer.results = tracer.unconsumed = tracer.node_inputs = None  # (the caller holds the only references)
     plan = _plan(gm, tracer, collected, out["captured"], None, len(results))

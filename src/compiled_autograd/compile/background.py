@@ -44,7 +44,7 @@ log = logging.getLogger("compiled_autograd")
 # traced graph (`stats().eager_while_compiling`; not a fallback): the engine's loop runs
 # without the GIL, where the traced graph, run as Python, needs it for every op against a
 # compile that holds it most of the time; and it is eager's result, bitwise. Nothing of the
-# walk may hold the saved tensors it lifted by then (GraphCapture.clear drops them): held,
+# walk may hold the saved tensors it lifted by then (GraphWalk.clear drops them): held,
 # the engine freed no activation as it went, and the transformer's steps while compiling
 # took 8-10% longer than eager's (its peak 1.46x eager's on tests/test_memory.py's MLP). The compile
 # thread runs at a lower CPU priority (COMPILED_AUTOGRAD_COMPILE_NICE, its own niceness on Linux): on a

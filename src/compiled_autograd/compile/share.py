@@ -35,7 +35,7 @@ log = logging.getLogger("compiled_autograd")
 # than a bounded share. Until training has run `after()` seconds since the compile started, the
 # child is owed nothing (a short run pays no more than noise); from then on each step earns it
 # share()/(1 - share()) of that step's own time, so that in any run of steps the child has at
-# most share() of the time: 10% by default, every window of 10 steps within 1.1x eager's plus
+# most share() of the time: 5% by default, every window of 10 steps within 1.05x eager's plus
 # one slice carried in (issue 47: never above 1.2x while compiling). Owed time is given as soon
 # as it is worth a slice (MIN_SLICE), and never more than MAX_SLICE at once. A backward that is
 # not a step of this training (no backward for IDLE_S: the process does something else) lets the

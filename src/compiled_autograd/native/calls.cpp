@@ -290,7 +290,7 @@ bool Applier::will_execute(py::handle obj) const {
 // ---------------------------------------------------------------------------
 struct ReplayFrame {
   py::tuple frame; // protocol.ReplayFrame (its fields by name: CallFallbacks::frame_at)
-  GraphCapture* capture;
+  GraphWalk* capture;
   StorageSet* steal; // nullptr: never steal
   c10::DispatchKeySet outside; // the dispatch keys the backward call excluded
   py::list last; // kernel._replay.last: the slot of the last call, at index `pos`
@@ -303,7 +303,7 @@ static thread_local std::vector<ReplayFrame> replay_frames;
 struct CallKindRow {
   py::object name;
   int how; // CallHow (`native`): what it runs (run_row)
-  int stage; // where in its node's steps it runs (GraphCapture::hooks_added)
+  int stage; // where in its node's steps it runs (GraphWalk::hooks_added)
   bool accumulates; // hands its grad to AccumulateGrad, returns nothing
   bool new_grads_go_nowhere; // an output where the trace had None is dropped, not an error
 };
@@ -337,7 +337,7 @@ struct CallFallbacks {
   // the fields of values.Slot and protocol.ReplayFrame the helper reads
   Py_ssize_t slot_kind, slot_node, slot_mask, slot_in_flags, slot_fresh, slot_n_after, slot_shared, slot_n_watch, slot_at,
       slot_rebuild, slot_by_reference, slot_n_resume;
-  Py_ssize_t frame_capture, frame_slots, frame_steal, frame_keep, frame_versions, frame_ctx, frame_releases;
+  Py_ssize_t frame_walk, frame_slots, frame_steal, frame_keep, frame_versions, frame_ctx, frame_releases;
 };
 
 static CallFallbacks& fallbacks() {
@@ -383,7 +383,7 @@ void install_calls(py::dict fns) {
   f.slot_fresh = slot["fresh"], f.slot_n_after = slot["n_after"], f.slot_shared = slot["shared"], f.slot_n_watch = slot["n_watch"];
   f.slot_at = slot["at"], f.slot_rebuild = slot["rebuild"], f.slot_by_reference = slot["by_reference"];
   f.slot_n_resume = slot["n_resume"];
-  f.frame_capture = frame["capture"], f.frame_slots = frame["slots"], f.frame_steal = frame["steal"], f.frame_keep = frame["keep"];
+  f.frame_walk = frame["walk"], f.frame_slots = frame["slots"], f.frame_steal = frame["steal"], f.frame_keep = frame["keep"];
   f.frame_versions = frame["versions"], f.frame_ctx = frame["ctx"], f.frame_releases = frame["releases"];
 }
 
@@ -392,7 +392,7 @@ void push_replay(py::tuple frame, py::list last) {
   py::object steal = frame[fb.frame_steal];
   replay_frames.push_back(ReplayFrame{
       frame,
-      frame[fb.frame_capture].cast<GraphCapture*>(),
+      frame[fb.frame_walk].cast<GraphWalk*>(),
       steal.is_none() ? nullptr : steal.cast<StorageSet*>(),
       c10::impl::tls_local_dispatch_key_set().excluded_,
       last,
@@ -432,7 +432,7 @@ static const CallKindRow* call_kind(py::handle kind) {
 // chooses by kind. An accumulation returns nothing.
 static std::vector<std::optional<at::Tensor>> run_row(
     const CallKindRow& row,
-    GraphCapture& capture,
+    GraphWalk& capture,
     size_t node,
     std::vector<std::optional<at::Tensor>>& inputs,
     size_t n_mask,
@@ -687,7 +687,7 @@ static py::list run_site(CallSite& c, py::list meta) {
 // shared arguments changed in place (`before`: their versions); then the nodes it releases.
 static void check_after(CallSite& c, const std::vector<int64_t>& before) {
   auto& fb = fallbacks();
-  py::handle capture = c.f.frame[fb.frame_capture];
+  py::handle capture = c.f.frame[fb.frame_walk];
   if (c.f.capture->hooks_added(c.node, c.row->stage)) {
     fb.hooks_added_error(c.kind_obj, capture, c.node_obj);
   }
@@ -757,7 +757,7 @@ py::object direct(int64_t slot, py::list args, py::list meta, int64_t flags) {
     const at::Tensor& passed = THPVariable_Unpack(t);
     if (passed.numel() > 0 && passed.storage().nbytes() == 0) {
       // NOTE [Tensors whose data arrives during the backward]: no hook refilled it
-      fb.still_empty_error(c.kind_obj, py::handle(c.f.frame[fb.frame_capture]), c.node_obj);
+      fb.still_empty_error(c.kind_obj, py::handle(c.f.frame[fb.frame_walk]), c.node_obj);
     }
     outs.append(keep_passed ? py::reinterpret_borrow<py::object>(t) : wrap(passed.clone()));
   }

@@ -1,4 +1,4 @@
-// GraphCapture, everything collected for one backward call, and its parts:
+// GraphWalk, everything collected for one backward call, and its parts:
 //   CollectedGraph     the walk's nodes, the key, the lifted tensors and sizes
 //                      (filled by collect.cpp's Collector), and what Python
 //                      asks of them;
@@ -7,7 +7,7 @@
 //                      values (trace.cpp);
 //   Applier            what compiled code calls on real tensors: hooks, opaque
 //                      nodes, AccumulateGrad, release (calls.cpp).
-// GraphCapture's methods are the API Python calls (module.cpp binds them).
+// GraphWalk's methods are the API Python calls (module.cpp binds them).
 #pragma once
 
 #include "values.h"
@@ -403,20 +403,20 @@ class Applier {
 };
 
 // ---------------------------------------------------------------------------
-// GraphCapture: everything collected for one backward call. Python's API:
+// GraphWalk: everything collected for one backward call. Python's API:
 // CollectedGraph's queries (its base) and the parts' services below.
 // ---------------------------------------------------------------------------
-class GraphCapture : public CollectedGraph {
+class GraphWalk : public CollectedGraph {
  public:
   // roots and inputs: tensors or GradientEdges (node, output_nr) (collect.cpp)
-  GraphCapture(
+  GraphWalk(
       const std::vector<py::handle>& roots,
       const std::vector<std::optional<at::Tensor>>& root_grads,
       const std::vector<py::handle>& inputs,
       bool accumulate_grad,
       bool opaque_subclasses);
-  GraphCapture(const GraphCapture&) = delete; // (the parts refer to this graph)
-  GraphCapture& operator=(const GraphCapture&) = delete;
+  GraphWalk(const GraphWalk&) = delete; // (the parts refer to this graph)
+  GraphWalk& operator=(const GraphWalk&) = delete;
 
   // ---- saved-tensor hooks (collect.cpp) ------------------------------------
   py::list take_saved_hooks() {

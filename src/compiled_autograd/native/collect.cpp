@@ -3,7 +3,7 @@
 // visitor -- including the fields Python cannot see (TypeAndSize, ScalarType,
 // TensorGeometry, CopySlices' view geometry, Cat's per-input sizes, Foreach
 // nodes) -- into one key; lift the tensors and sizes; hold the saved-tensor
-// hooks collected with them. What GraphCapture's constructor runs, and the
+// hooks collected with them. What GraphWalk's constructor runs, and the
 // queries Python makes of what it collected.
 //
 // NOTE [One key per graph]
@@ -1052,9 +1052,9 @@ void CollectedGraph::clear_graph() {
 }
 
 // ---------------------------------------------------------------------------
-// GraphCapture (capture.h)
+// GraphWalk (capture.h)
 // ---------------------------------------------------------------------------
-GraphCapture::GraphCapture(
+GraphWalk::GraphWalk(
     const std::vector<py::handle>& roots,
     const std::vector<std::optional<at::Tensor>>& root_grads,
     const std::vector<py::handle>& inputs,

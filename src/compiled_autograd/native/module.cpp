@@ -15,7 +15,7 @@
 //
 // The helper is built from these files, by stage (native/__init__.py builds
 // them all; values.h mirrors the values Python defines, capture.h declares
-// GraphCapture's parts):
+// GraphWalk's parts):
 //   collect.cpp  the walk, the key, the lifted tensors; the saved-tensor
 //                hooks collected with them (NOTE [One key per graph]);
 //   trace.cpp    trace support (Tracer, PyNodeSavedSwap);
@@ -25,7 +25,7 @@
 #include "capture.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  using compiled_autograd_native::GraphCapture;
+  using compiled_autograd_native::GraphWalk;
   m.def("tensor_key", &compiled_autograd_native::tensor_key);
   m.def("install_calls", &compiled_autograd_native::install_calls);
   m.def("push_replay", &compiled_autograd_native::push_replay);
@@ -44,7 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const py::list&>())
       .def("add", &StorageSet::add)
       .def("__contains__", &StorageSet::contains);
-  py::class_<GraphCapture>(m, "GraphCapture", py::module_local())
+  py::class_<GraphWalk>(m, "GraphWalk", py::module_local())
       .def(
           py::init<
               const std::vector<py::handle>&,
@@ -52,50 +52,50 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               const std::vector<py::handle>&,
               bool,
               bool>())
-      .def_readonly("unsupported", &GraphCapture::unsupported)
-      .def_readonly("opaque_subclasses", &GraphCapture::opaque_subclasses)
-      .def("key", &GraphCapture::key)
-      .def("lifted", &GraphCapture::lifted)
-      .def("sizes", &GraphCapture::sizes)
-      .def("num_size_inputs", &GraphCapture::num_size_inputs)
-      .def("node_key_offsets", &GraphCapture::node_key_offsets)
-      .def("num_nodes", &GraphCapture::num_nodes)
-      .def("wrapped", &GraphCapture::wrapped)
-      .def("num_results", &GraphCapture::num_results)
-      .def("nodes", &GraphCapture::nodes)
-      .def("node_object", &GraphCapture::node_object)
-      .def("node_name", &GraphCapture::node_name)
-      .def("pynode_indices", &GraphCapture::pynode_indices)
-      .def("pynodes_have_saved_hooks", &GraphCapture::pynodes_have_saved_hooks)
-      .def("accumulated_grads", &GraphCapture::accumulated_grads)
-      .def("roots", &GraphCapture::roots)
-      .def("input_metadata", &GraphCapture::input_metadata)
-      .def("subclass_inputs", &GraphCapture::subclass_inputs)
-      .def("take_saved_hooks", &GraphCapture::take_saved_hooks)
-      .def("hand_over", &GraphCapture::hand_over)
-      .def("hand_over_saved", &GraphCapture::hand_over_saved)
-      .def("learn_unpacks", &GraphCapture::learn_unpacks)
-      .def("restore_saved_hooks", &GraphCapture::restore_saved_hooks)
-      .def("pynode_flags", &GraphCapture::pynode_flags)
-      .def("pynode_output_info", &GraphCapture::pynode_output_info)
-      .def("begin_trace", &GraphCapture::begin_trace)
-      .def("root_values", &GraphCapture::root_values)
-      .def("apply_node", &GraphCapture::apply_node)
-      .def("validate", &GraphCapture::validate)
-      .def("end_trace", &GraphCapture::end_trace)
-      .def("call_tensor_pre_hooks", &GraphCapture::call_tensor_pre_hooks)
-      .def("call_pre_hooks", &GraphCapture::call_pre_hooks)
-      .def("call_post_hooks", &GraphCapture::call_post_hooks)
-      .def("call_node", &GraphCapture::call_node)
-      .def("accumulate_graph_grad", &GraphCapture::accumulate_graph_grad)
-      .def("apply_results", &GraphCapture::apply_results)
-      .def("release", &GraphCapture::release)
-      .def("release_nodes", &GraphCapture::release_nodes)
-      .def("will_execute", &GraphCapture::will_execute)
-      .def("hooks_added", &GraphCapture::hooks_added)
-      .def("drop_lifted", &GraphCapture::drop_lifted, py::arg("keep_args") = false)
-      .def("clear", &GraphCapture::clear)
-      .def_readwrite("grad_mode", &GraphCapture::grad_mode);
+      .def_readonly("unsupported", &GraphWalk::unsupported)
+      .def_readonly("opaque_subclasses", &GraphWalk::opaque_subclasses)
+      .def("key", &GraphWalk::key)
+      .def("lifted", &GraphWalk::lifted)
+      .def("sizes", &GraphWalk::sizes)
+      .def("num_size_inputs", &GraphWalk::num_size_inputs)
+      .def("node_key_offsets", &GraphWalk::node_key_offsets)
+      .def("num_nodes", &GraphWalk::num_nodes)
+      .def("wrapped", &GraphWalk::wrapped)
+      .def("num_results", &GraphWalk::num_results)
+      .def("nodes", &GraphWalk::nodes)
+      .def("node_object", &GraphWalk::node_object)
+      .def("node_name", &GraphWalk::node_name)
+      .def("pynode_indices", &GraphWalk::pynode_indices)
+      .def("pynodes_have_saved_hooks", &GraphWalk::pynodes_have_saved_hooks)
+      .def("accumulated_grads", &GraphWalk::accumulated_grads)
+      .def("roots", &GraphWalk::roots)
+      .def("input_metadata", &GraphWalk::input_metadata)
+      .def("subclass_inputs", &GraphWalk::subclass_inputs)
+      .def("take_saved_hooks", &GraphWalk::take_saved_hooks)
+      .def("hand_over", &GraphWalk::hand_over)
+      .def("hand_over_saved", &GraphWalk::hand_over_saved)
+      .def("learn_unpacks", &GraphWalk::learn_unpacks)
+      .def("restore_saved_hooks", &GraphWalk::restore_saved_hooks)
+      .def("pynode_flags", &GraphWalk::pynode_flags)
+      .def("pynode_output_info", &GraphWalk::pynode_output_info)
+      .def("begin_trace", &GraphWalk::begin_trace)
+      .def("root_values", &GraphWalk::root_values)
+      .def("apply_node", &GraphWalk::apply_node)
+      .def("validate", &GraphWalk::validate)
+      .def("end_trace", &GraphWalk::end_trace)
+      .def("call_tensor_pre_hooks", &GraphWalk::call_tensor_pre_hooks)
+      .def("call_pre_hooks", &GraphWalk::call_pre_hooks)
+      .def("call_post_hooks", &GraphWalk::call_post_hooks)
+      .def("call_node", &GraphWalk::call_node)
+      .def("accumulate_graph_grad", &GraphWalk::accumulate_graph_grad)
+      .def("apply_results", &GraphWalk::apply_results)
+      .def("release", &GraphWalk::release)
+      .def("release_nodes", &GraphWalk::release_nodes)
+      .def("will_execute", &GraphWalk::will_execute)
+      .def("hooks_added", &GraphWalk::hooks_added)
+      .def("drop_lifted", &GraphWalk::drop_lifted, py::arg("keep_args") = false)
+      .def("clear", &GraphWalk::clear)
+      .def_readwrite("grad_mode", &GraphWalk::grad_mode);
   py::class_<PyNodeSavedSwap>(m, "PyNodeSavedSwap", py::module_local())
       .def(py::init<py::object, const std::vector<std::optional<at::Tensor>>&>())
       .def("restore", &PyNodeSavedSwap::restore);

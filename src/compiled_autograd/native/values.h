@@ -25,7 +25,7 @@ enum Kind : uint8_t {
   OPAQUE = 3, // always run eagerly inside the graph
 };
 
-// values.NodeRow: the fields of the tuple GraphCapture::nodes() makes per node,
+// values.NodeRow: the fields of the tuple GraphWalk::nodes() makes per node,
 // in values.NodeRow's order
 struct NodeRowField {
   static constexpr size_t NAME = 0;

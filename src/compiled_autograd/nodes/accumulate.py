@@ -71,7 +71,7 @@ def accumulate(capture, node, args, steal, hooked=False):
     against eager's ~3 us; so a leaf whose grad is always defined, and whose
     AccumulateGrad node has no pre or post hooks of its own (those see what the
     tensor hooks returned), gets one call (`hooked`,
-    GraphCapture.accumulate_graph_grad), which hands the hooks' result to
+    GraphWalk.accumulate_graph_grad), which hands the hooks' result to
     AccumulateGrad as the engine does: nothing of the graph sees it. The hooks
     get the grad as the lone call got it: a tensor nothing else refers to on
     the graph's buffer when that may be stolen (above), so a hook that keeps it

@@ -58,7 +58,7 @@ def other_path(collected, create_graph: bool) -> dict:
         if when == "create_graph" and not create_graph:
             continue
         if when == "cpu":
-            md = collected.capture.input_metadata(i)
+            md = collected.walk.input_metadata(i)
             if not md or md[0] is None or md[0][2] != "cpu":
                 continue
         if n.name == "MaskedFillBackward1" and (len(n.edges) < 2 or n.edges[1][0] < 0):
@@ -79,7 +79,7 @@ def trace(t, idx, values, args):
         return opaque.trace(t, idx, values)
     try:
         t.node_inputs, t.node_values, t.unpacked_here = tensors, values, {}
-        return t.capture.apply_node(idx, tensors)
+        return t.walk.apply_node(idx, tensors)
     except Exception as e:
         # a formula that cannot run on fake tensors (data-dependent output
         # shapes, a missing meta kernel, a functional bound by another

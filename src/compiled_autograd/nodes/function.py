@@ -206,14 +206,14 @@ def trace(t, idx, values, args):
     the backward AOTAutograd made: nodes/compiled_region.py)."""
     if not t.c.pynodes[idx].flags[0] and any(v is not None and v.bits is not None for v in values):
         # its backward sees None for an undefined grad, and may branch on it
-        if not _none_in_none_out(t.capture.node_object(idx)._forward_cls, values):
+        if not _none_in_none_out(t.walk.node_object(idx)._forward_cls, values):
             raise NeedsOpaque(idx, "set_materialize_grads(False) and a grad that may be None at run time")
     out = trace_backward(t, idx, [v.t if v is not None else None for v in values], args)
     # the trace read this ctx's attributes, and the globals and closures its backward
     # reads, as they were when the backward started; the last call before it checks
     # that no hook has rebound one since (Plan.ctx_checks)
     last = next((i for i in range(len(t.slots) - 1, -1, -1) if t.slots[i].kind != UNPACK), None)
-    node = t.capture.node_object(idx)
+    node = t.walk.node_object(idx)
     if last is not None and (vars(node) or state_reads(node._forward_cls)):
         t.ctx_checks.setdefault(last, []).append(idx)
     return out
@@ -240,7 +240,7 @@ def _none_in_none_out(cls, values) -> bool:
 
 def trace_backward(t, idx, grads, args):
     info = t.c.pynodes[idx]
-    capture = t.capture
+    capture = t.walk
     node = capture.node_object(idx)
     materialize, materialize_non_diff, _, is_variable_input = info.flags
     metas = capture.input_metadata(idx)
@@ -314,7 +314,7 @@ def python_backward(t, idx, node, info, inputs, args):
 
 
 def results(t, idx, out, is_variable_input):
-    capture = t.capture
+    capture = t.walk
     n_forward = len(is_variable_input)
     if len(out) > n_forward and all(o is None for o in out[n_forward:]):
         out = out[:n_forward]

@@ -29,7 +29,7 @@ def may_read_grads(t, idx) -> bool:
     backward AOTAutograd compiled for a torch.compile'd forward (a compiled graph of aten
     ops between its prologue and epilogue)."""
     if idx in t.c.pynodes:
-        return not compiled_region.is_compiled_function(t.capture.node_object(idx)._forward_cls)
+        return not compiled_region.is_compiled_function(t.walk.node_object(idx)._forward_cls)
     n = t.nodes[idx]
     return n.opaque and not (n.kind == NodeKind.GENERIC and references.REASON in n.opaque_reason)
 
@@ -51,8 +51,8 @@ def trace(t, idx, values):
     given = any(v is not None and t.is_reference(v.t) for v in values)
     for k, ((to, nr), pos) in enumerate(zip(edges, edge_sizes)):
         m = None
-        md = t.capture.input_metadata(to)[nr] if to >= 0 else None
-        if md is not None and (given or md[0] is None or nr in t.capture.subclass_inputs(to) or t.layouts.get(("node", idx, k)) == REFERENCE):
+        md = t.walk.input_metadata(to)[nr] if to >= 0 else None
+        if md is not None and (given or md[0] is None or nr in t.walk.subclass_inputs(to) or t.layouts.get(("node", idx, k)) == REFERENCE):
             # a grad that is a tensor subclass (a nested tensor, whose sizes are no ints; a
             # DTensor; one an eager backward saw come) from a node the graph does not trace: held
             # beside the graph, a token in it (NOTE [Values passed by reference], nodes/references.py)

@@ -62,7 +62,7 @@ def root_values(t, args, roots) -> list:
     """The root grads (`t` the tracer), validated as the engine validates them; one held by
     reference is its token (the call given it gets the value)."""
     held = set(t.c.held)
-    values = list(t.capture.root_values([args[g] if g >= 0 and g not in held else None for _, _, g in roots]))
+    values = list(t.walk.root_values([args[g] if g >= 0 and g not in held else None for _, _, g in roots]))
     for k, (_, _, g) in enumerate(roots):
         if g in held:
             values[k] = args[g]

@@ -130,7 +130,7 @@ class Learn:
     eager autograd, each hook at its node, and `report` learns what each returned."""
 
     def __init__(self, capture, keys: dict):
-        self.capture = capture
+        self.walk = capture
         self.keys = keys  # hooked tensor position -> learned key
         self.reported: set = set()
 

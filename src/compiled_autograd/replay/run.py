@@ -9,7 +9,7 @@ import weakref
 import torch
 
 from ..calls import kernel
-from ..calls.graph_task import in_graph_task
+from ..graph_task import in_graph_task
 from ..errors import ResumeHere
 from ..values import BOXED
 from ..nodes import SLOT_KINDS
@@ -204,7 +204,7 @@ class GCPause:
 # knows. So a create_graph backward with an opaque node (a custom Function whose backward cannot
 # be traced on fakes, a C++ node) runs its traced graph as it is, for real, in grad mode, as
 # eager's engine runs the nodes then: each aten op of the formulas records its own history, and
-# the call runs the node in grad mode (GraphCapture.call_node; the kernel is called directly,
+# the call runs the node in grad mode (GraphWalk.call_node; the kernel is called directly,
 # calls/kernel.py _fast_path), so what it returns carries the history its backward built. The
 # results require grad where eager's do, and a backward through them is autograd's over the
 # same ops (the first order bitwise; the second within the create_graph contract). Not compiled:

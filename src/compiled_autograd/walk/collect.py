@@ -27,7 +27,7 @@ from ..errors import Fallback, Unkeyable
 from ..nodes.function import collect_pynode, kept_indices
 from ..nodes.learned import LEARNED, LearnKey
 from ..nodes.saved_tensors import Learn, Predictor, hook_code, packed_meta, unpack
-from ..calls.graph_task import in_graph_task
+from ..graph_task import in_graph_task
 from ..values import Collected, GraphKey, HookedTensor, InGraph, SubclassUnpack
 from . import precheck
 from .subclasses import flatten_wrappers
@@ -91,7 +91,7 @@ def collect(capture, run_unpack_hooks: bool = True, keep_graph: bool = True) -> 
     if not saved_hooks and not pynode_indices and not wrapped:
         lifted = capture.lifted()
         return Collected(
-            capture=capture,
+            walk=capture,
             key=GraphKey(capture.key(), (), (), (), (), False),
             sizes=tuple(capture.sizes()),
             n_size_inputs=capture.num_size_inputs(),
@@ -176,7 +176,7 @@ def _collect_python(capture, saved_hooks, pynode_indices, keep_graph) -> Collect
             aot_ints += info.ctx_ints
     sizes = tuple(capture.sizes()) + tuple(lift.geometry) + tuple(aot_ints) + tuple(shapes)
     collected = Collected(
-        capture=capture,
+        walk=capture,
         key=key,
         sizes=sizes,
         n_size_inputs=capture.num_size_inputs(),
