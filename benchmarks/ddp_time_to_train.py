@@ -116,16 +116,28 @@ def main(argv=None) -> int:
         rows[mode] = (r0, ranks)
         summary = {"world": a.world, "steps": a.steps, "separate": a.separate, "mode": mode, "total_s": round(r0["total"], 2),
                    "compiled_at": [r["compiled_at"] for r in ranks], "child_compiles": [r["child_compiles"] for r in ranks],
-                   "shared_compiles": [r["shared_compiles"] for r in ranks], "failures": [r["compile_failures"] for r in ranks]}
+                   "shared_compiles": [r["shared_compiles"] for r in ranks], "failures": [r["compile_failures"] for r in ranks],
+                   "eager_while_compiling": [r["eager_while_compiling"] for r in ranks]}
         print(json.dumps(summary), flush=True)
     if "eager" in rows and "ours" in rows:
         eager, ours = rows["eager"][0], rows["ours"][0]
         import statistics
 
         median = statistics.median(eager["times"])
-        worst = max(_windows(ours["times"])) / (10 * median)
+        ours_w, eager_w = [w / (10 * median) for w in _windows(ours["times"])], [w / (10 * median) for w in _windows(eager["times"])]
+        later = max(range(1, len(ours_w)), key=ours_w.__getitem__, default=0)
         print(f"ours / eager total: {ours['total'] / eager['total']:.3f}x ({ours['total']:.1f} s vs {eager['total']:.1f} s); "
-              f"worst 10-step window of ours: {worst:.2f}x eager's median step ({1e3 * median:.1f} ms)")
+              f"10-step windows against eager's median step ({1e3 * median:.1f} ms): ours' first {ours_w[0]:.2f}x (the capture), "
+              f"worst after it {ours_w[later]:.2f}x (steps {10 * later}-{10 * later + 9}); eager's own worst {max(eager_w):.2f}x")
+        at = ours["compiled_at"]
+        if at is not None:  # the steps' medians before and after the compiled graph took over, against eager's at the same steps
+            def med(t, a, b):
+                return 1e3 * statistics.median(t[a:b]) if b > a else float("nan")
+
+            print(f"rank 0's median step before step {at}: ours {med(ours['times'], 20, at - 10):.1f} ms, eager "
+                  f"{med(eager['times'], 20, at - 10):.1f} ms; after it: ours {med(ours['times'], at + 20, len(ours['times'])):.1f} ms, "
+                  f"eager {med(eager['times'], at + 20, len(eager['times'])):.1f} ms; the 20 steps from it: ours "
+                  f"{1e3 * sum(ours['times'][at:at + 20]):.0f} ms, eager {1e3 * sum(eager['times'][at:at + 20]):.0f} ms")
     return 0
 
 
