@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-_READY = r'''
+_READY = r"""
 import sys, time, json, os
 t0 = time.perf_counter()
 import torch
@@ -47,9 +47,9 @@ with ca.enable("inductor", disk_cache=False):
 times, step = [first], 1
 print(json.dumps({"layers": layers, "ready_s": time.perf_counter() - t_first, "steps": step + 1, "import_s": imported,
                   "first_backward_s": times[0], "child_compiles": ca.stats().child_compiles}))
-'''
+"""
 
-_PHASES = r'''
+_PHASES = r"""
 import sys, time, json, cProfile, pstats, io
 t0 = time.perf_counter()
 import torch
@@ -92,12 +92,13 @@ phases = {
     "load the generated module (PyCodeCache.load_by_key_path)": cum("codecache.py:load_by_key_path"),
 }
 print(json.dumps(phases))
-'''
+"""
 
 
 def _run(code: str, args, env) -> dict:
-    out = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env, timeout=1800,
-                         cwd=str(ROOT))
+    out = subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env, timeout=1800, cwd=str(ROOT)
+    )
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -110,8 +111,12 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     for layers in [int(x) for x in a.layers.split(",")]:
         with tempfile.TemporaryDirectory() as cache:
-            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, COMPILED_AUTOGRAD_DISK_CACHE="0",
-                       PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+            env = dict(
+                os.environ,
+                TORCHINDUCTOR_CACHE_DIR=cache,
+                COMPILED_AUTOGRAD_DISK_CACHE="0",
+                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
+            )
             t = time.perf_counter()
             res = _run(_PHASES if a.phases else _READY, [layers], env)
             res["process_s"] = time.perf_counter() - t

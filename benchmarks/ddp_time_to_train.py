@@ -23,12 +23,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-_RANK = r'''
+_RANK = r"""
 import json, os, sys, time
 import torch, torch.distributed as dist
 torch.set_num_threads(1)
@@ -67,7 +66,7 @@ print(json.dumps({"rank": rank, "mode": mode, "total": total, "steps": steps, "t
                   "child_compiles": s.child_compiles, "shared_compiles": s.shared_compiles, "compile_failures": s.compile_failures,
                   "eager_while_compiling": s.eager_while_compiling, "hits": s.hits, "fallbacks": s.eager_fallbacks}))
 dist.destroy_process_group()
-'''
+"""
 
 
 def _free_port() -> int:
@@ -82,12 +81,27 @@ def run_job(world: int, steps: int, mode: str, separate: bool, timeout: float) -
         procs = []
         for rank in range(world):
             where = Path(tmp) / (f"rank{rank}" if separate else "shared")
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=str(where / "inductor"),
-                       COMPILED_AUTOGRAD_GRAPH_DIR=str(where / "graphs"),
-                       PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
-            procs.append(subprocess.Popen([sys.executable, "-c", _RANK, str(steps), mode], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, cwd=str(ROOT)))
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
+                TORCHINDUCTOR_CACHE_DIR=str(where / "inductor"),
+                COMPILED_AUTOGRAD_GRAPH_DIR=str(where / "graphs"),
+                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", _RANK, str(steps), mode],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    cwd=str(ROOT),
+                )
+            )
         out = []
         for p in procs:
             stdout, stderr = p.communicate(timeout=timeout)
@@ -114,10 +128,18 @@ def main(argv=None) -> int:
         ranks = run_job(a.world, a.steps, mode, a.separate, a.timeout)
         r0 = next(r for r in ranks if r["rank"] == 0)
         rows[mode] = (r0, ranks)
-        summary = {"world": a.world, "steps": a.steps, "separate": a.separate, "mode": mode, "total_s": round(r0["total"], 2),
-                   "compiled_at": [r["compiled_at"] for r in ranks], "child_compiles": [r["child_compiles"] for r in ranks],
-                   "shared_compiles": [r["shared_compiles"] for r in ranks], "failures": [r["compile_failures"] for r in ranks],
-                   "eager_while_compiling": [r["eager_while_compiling"] for r in ranks]}
+        summary = {
+            "world": a.world,
+            "steps": a.steps,
+            "separate": a.separate,
+            "mode": mode,
+            "total_s": round(r0["total"], 2),
+            "compiled_at": [r["compiled_at"] for r in ranks],
+            "child_compiles": [r["child_compiles"] for r in ranks],
+            "shared_compiles": [r["shared_compiles"] for r in ranks],
+            "failures": [r["compile_failures"] for r in ranks],
+            "eager_while_compiling": [r["eager_while_compiling"] for r in ranks],
+        }
         print(json.dumps(summary), flush=True)
     if "eager" in rows and "ours" in rows:
         eager, ours = rows["eager"][0], rows["ours"][0]
@@ -126,18 +148,23 @@ def main(argv=None) -> int:
         median = statistics.median(eager["times"])
         ours_w, eager_w = [w / (10 * median) for w in _windows(ours["times"])], [w / (10 * median) for w in _windows(eager["times"])]
         later = max(range(1, len(ours_w)), key=ours_w.__getitem__, default=0)
-        print(f"ours / eager total: {ours['total'] / eager['total']:.3f}x ({ours['total']:.1f} s vs {eager['total']:.1f} s); "
-              f"10-step windows against eager's median step ({1e3 * median:.1f} ms): ours' first {ours_w[0]:.2f}x (the capture), "
-              f"worst after it {ours_w[later]:.2f}x (steps {10 * later}-{10 * later + 9}); eager's own worst {max(eager_w):.2f}x")
+        print(
+            f"ours / eager total: {ours['total'] / eager['total']:.3f}x ({ours['total']:.1f} s vs {eager['total']:.1f} s); "
+            f"10-step windows against eager's median step ({1e3 * median:.1f} ms): ours' first {ours_w[0]:.2f}x (the capture), "
+            f"worst after it {ours_w[later]:.2f}x (steps {10 * later}-{10 * later + 9}); eager's own worst {max(eager_w):.2f}x"
+        )
         at = ours["compiled_at"]
         if at is not None:  # the steps' medians before and after the compiled graph took over, against eager's at the same steps
+
             def med(t, a, b):
                 return 1e3 * statistics.median(t[a:b]) if b > a else float("nan")
 
-            print(f"rank 0's median step before step {at}: ours {med(ours['times'], 20, at - 10):.1f} ms, eager "
-                  f"{med(eager['times'], 20, at - 10):.1f} ms; after it: ours {med(ours['times'], at + 20, len(ours['times'])):.1f} ms, "
-                  f"eager {med(eager['times'], at + 20, len(eager['times'])):.1f} ms; the 20 steps from it: ours "
-                  f"{1e3 * sum(ours['times'][at:at + 20]):.0f} ms, eager {1e3 * sum(eager['times'][at:at + 20]):.0f} ms")
+            print(
+                f"rank 0's median step before step {at}: ours {med(ours['times'], 20, at - 10):.1f} ms, eager "
+                f"{med(eager['times'], 20, at - 10):.1f} ms; after it: ours {med(ours['times'], at + 20, len(ours['times'])):.1f} ms, "
+                f"eager {med(eager['times'], at + 20, len(eager['times'])):.1f} ms; the 20 steps from it: ours "
+                f"{1e3 * sum(ours['times'][at : at + 20]):.0f} ms, eager {1e3 * sum(eager['times'][at : at + 20]):.0f} ms"
+            )
     return 0
 
 

@@ -38,7 +38,13 @@ MODES = ("eager", "ours", "torch-ca")
 WRONG_GRADS = 1e-2  # a mode's grads further from eager's than this (relative) are wrong, not rounding
 
 
-TP_WRAPS = ("tp", "tp+sp", "tp+sp+ckpt", "tp+compiled", "fsdp2+tp")  # (+ckpt: each block activation-checkpointed; +compiled: each block torch.compile'd)
+TP_WRAPS = (
+    "tp",
+    "tp+sp",
+    "tp+sp+ckpt",
+    "tp+compiled",
+    "fsdp2+tp",
+)  # (+ckpt: each block activation-checkpointed; +compiled: each block torch.compile'd)
 
 
 def _model(wrap="ddp"):
@@ -196,8 +202,14 @@ def _rank(rank, world, port, job, out_dir):
                     ca.synchronize()
             compare_grads()
         s = ca.stats()
-        stats = dict(captures=s.captures, hits=s.hits, eager_fallbacks=s.eager_fallbacks, learning=s.learning_backwards,
-                     eager_while_compiling=getattr(s, "eager_while_compiling", 0), opaque=dict(s.opaque_reasons))
+        stats = dict(
+            captures=s.captures,
+            hits=s.hits,
+            eager_fallbacks=s.eager_fallbacks,
+            learning=s.learning_backwards,
+            eager_while_compiling=getattr(s, "eager_while_compiling", 0),
+            opaque=dict(s.opaque_reasons),
+        )
         torch.save(dict(times=times, errors=errors, stats=stats, grad_diff=grad_diff), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         import gc
@@ -247,8 +259,11 @@ def summarize(result, job):
     for mode, r in rows.items():
         if base and "median_s" in r:
             r["vs_eager"] = r["median_s"] / base
-    if "median_s" in rows.get("ours", {}) and "median_s" in rows.get("torch-ca", {}) and \
-            (rows["torch-ca"].get("grad_diff") or 0.0) <= WRONG_GRADS:  # (no ratio to a wrong result)
+    if (
+        "median_s" in rows.get("ours", {})
+        and "median_s" in rows.get("torch-ca", {})
+        and (rows["torch-ca"].get("grad_diff") or 0.0) <= WRONG_GRADS
+    ):  # (no ratio to a wrong result)
         rows["ours"]["vs_torch_ca"] = rows["ours"]["median_s"] / rows["torch-ca"]["median_s"]
     return rows
 
@@ -275,7 +290,8 @@ def write_report(out: Path, results: dict, meta: dict):
         "Every step, each mode's gradients (gathered in full) are compared with eager's of the same",
         f"step; a mode whose grads are off by more than {WRONG_GRADS:g} of their largest is marked as wrong.",
         "",
-        "| job | ranks | eager step | ours | ours / eager | torch built-in | built-in / eager | ours / built-in | ours' first step | ours: captures, hits, fallbacks, opaque | grads vs eager: ours; built-in |",
+        "| job | ranks | eager step | ours | ours / eager | torch built-in | built-in / eager | ours / built-in | ours' first step "
+        "| ours: captures, hits, fallbacks, opaque | grads vs eager: ours; built-in |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, r in results.items():
@@ -321,8 +337,9 @@ def _plot(path: Path, results: dict):
             if (r.get("grad_diff") or 0.0) > WRONG_GRADS:  # (a wrong result is no speed)
                 bar.set_hatch("//")
                 bar.set_alpha(0.5)
-                ax.annotate("wrong\ngrads", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                            ha="center", va="bottom", fontsize=7, color="red")
+                ax.annotate(
+                    "wrong\ngrads", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7, color="red"
+                )
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks([i + width for i in range(len(keys))], [k.replace("@", "\n") + " ranks" for k in keys])
     ax.set_ylabel("step time / eager (lower is better)")
@@ -350,10 +367,21 @@ def main(argv=None):
     import torch
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), platform.processor())
-    meta = dict(date=datetime.date.today().isoformat(), commit=commit, torch=torch.__version__, cpus=os.cpu_count(), cpu=cpu,
-                backend=args.backend, steps=args.steps, warmup=args.warmup,
-                command="python -m benchmarks.distributed " + " ".join(argv if argv is not None else __import__("sys").argv[1:]))
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+        platform.processor(),
+    )
+    meta = dict(
+        date=datetime.date.today().isoformat(),
+        commit=commit,
+        torch=torch.__version__,
+        cpus=os.cpu_count(),
+        cpu=cpu,
+        backend=args.backend,
+        steps=args.steps,
+        warmup=args.warmup,
+        command="python -m benchmarks.distributed " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+    )
     results = {}
     if args.append and (Path(args.out) / "results.json").exists():
         results = json.loads((Path(args.out) / "results.json").read_text())["results"]
@@ -363,7 +391,7 @@ def main(argv=None):
             t0 = time.monotonic()
             r = run_job(job, world)
             results[f"{wrap}@{world}"] = dict(rows=summarize(r, job), stats=r["stats"])
-            print(f"{wrap} on {world} ranks ({time.monotonic() - t0:.0f} s):", json.dumps(results[f'{wrap}@{world}']), flush=True)
+            print(f"{wrap} on {world} ranks ({time.monotonic() - t0:.0f} s):", json.dumps(results[f"{wrap}@{world}"]), flush=True)
             write_report(Path(args.out), results, meta)
 
 

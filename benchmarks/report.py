@@ -120,18 +120,32 @@ def markdown(data: dict) -> str:
         f"- Machine: {m.get('cpu')}, {m.get('logical_cpus')} logical CPUs, {m.get('memory_gb')} GB RAM, "
         f"{m.get('platform')}; Python {m.get('python')}, torch {m.get('torch')}; "
         f"`torch.set_num_threads({m.get('threads')})` in every subprocess"
-        + ("" if opts.get("omp_active") else ", with `OMP_WAIT_POLICY=PASSIVE` (OpenMP's spinning wait makes "
-           "2-thread timings 10-100x slower and erratic when another process holds a core)"),
-        *([f"- Device: **{opts.get('device')}** ({m.get('accelerator')}): every timed backward ends with a "
-           "synchronize; no profiler floor, backward peak = device memory allocated"]
-          if opts.get("device", "cpu") != "cpu" else []),
+        + (
+            ""
+            if opts.get("omp_active")
+            else ", with `OMP_WAIT_POLICY=PASSIVE` (OpenMP's spinning wait makes "
+            "2-thread timings 10-100x slower and erratic when another process holds a core)"
+        ),
+        *(
+            [
+                f"- Device: **{opts.get('device')}** ({m.get('accelerator')}): every timed backward ends with a "
+                "synchronize; no profiler floor, backward peak = device memory allocated"
+            ]
+            if opts.get("device", "cpu") != "cpu"
+            else []
+        ),
         f"- compiled_autograd at commit {m.get('git_commit')}"
         + (" (with uncommitted changes under src/)" if m.get("git_src_dirty") else ""),
         f"- Load average at start / end: {m.get('loadavg_start')} / {m.get('loadavg_end')} "
         "(the machine is shared: compare ratios, not absolute times)",
-        f"- Inductor cache: {'warm: a second process after a priming one, fixed dir' if opts.get('warm_cache') else 'cold: a fresh TORCHINDUCTOR_CACHE_DIR per subprocess'}; "
-        f"{opts.get('iters')} timed iterations after {opts.get('warmup')} warm-ups"
-        + ("; **--quick sizes**" if opts.get("quick") else ""),
+        "- Inductor cache: "
+        + (
+            "warm: a second process after a priming one, fixed dir"
+            if opts.get("warm_cache")
+            else "cold: a fresh TORCHINDUCTOR_CACHE_DIR per subprocess"
+        )
+        + "; "
+        f"{opts.get('iters')} timed iterations after {opts.get('warmup')} warm-ups" + ("; **--quick sizes**" if opts.get("quick") else ""),
         "",
         "Modes: `eager` = plain autograd; `torch CA + B` = "
         "`with torch._dynamo.compiled_autograd._enable(torch.compile(backend=B)): loss.backward()`; "
@@ -146,8 +160,7 @@ def markdown(data: dict) -> str:
             descs[r["workload"]] = (r["description"], r.get("nodes"), r.get("num_params"))
     if descs:
         lines += ["## Workloads", ""]
-        lines += [f"- **{w}**: {d} ({n} autograd nodes, {p:,} parameters)" if p else f"- **{w}**: {d}"
-                  for w, (d, n, p) in descs.items()]
+        lines += [f"- **{w}**: {d} ({n} autograd nodes, {p:,} parameters)" if p else f"- **{w}**: {d}" for w, (d, n, p) in descs.items()]
         lines.append("")
 
     if h2h:
@@ -166,19 +179,48 @@ def markdown(data: dict) -> str:
         ]
         table = []
         for r in h2h:
-            table.append([
-                r["workload"], r["mode"].partition(":")[2], _num(r.get("eager_median_s"), 1e3, digits=3),
-                _num(r.get("ours_median_s"), 1e3, digits=3), _num(r.get("theirs_median_s"), 1e3, digits=3),
-                _ratio(r.get("ours_vs_eager")), _ratio(r.get("theirs_vs_eager")),
-                _ratio(r.get("ours_vs_theirs")), _ratio(r.get("ours_vs_theirs_min")),
-                _ratio(r.get("ours_vs_floor")), _ratio(r.get("theirs_vs_floor")),
-                _num(r.get("ours_first_backward_s"), digits=3), _num(r.get("theirs_first_backward_s"), digits=3),
-                f"{_diff(r.get('ours_max_grad_diff'))} / {_diff(r.get('theirs_max_grad_diff'))}", _status(r),
-            ])
-        lines += [_table(["workload", "backend", "eager (ms)", "ours (ms)", "torch CA (ms)", "ours / eager",
-                          "torch CA / eager", "ours / torch CA", "ours / torch CA (min)", "ours / floor",
-                          "torch CA / floor", "ours first bwd (s)", "torch CA first bwd (s)",
-                          "max \\|Δgrad\\| ours / torch", "status"], table), ""]
+            table.append(
+                [
+                    r["workload"],
+                    r["mode"].partition(":")[2],
+                    _num(r.get("eager_median_s"), 1e3, digits=3),
+                    _num(r.get("ours_median_s"), 1e3, digits=3),
+                    _num(r.get("theirs_median_s"), 1e3, digits=3),
+                    _ratio(r.get("ours_vs_eager")),
+                    _ratio(r.get("theirs_vs_eager")),
+                    _ratio(r.get("ours_vs_theirs")),
+                    _ratio(r.get("ours_vs_theirs_min")),
+                    _ratio(r.get("ours_vs_floor")),
+                    _ratio(r.get("theirs_vs_floor")),
+                    _num(r.get("ours_first_backward_s"), digits=3),
+                    _num(r.get("theirs_first_backward_s"), digits=3),
+                    f"{_diff(r.get('ours_max_grad_diff'))} / {_diff(r.get('theirs_max_grad_diff'))}",
+                    _status(r),
+                ]
+            )
+        lines += [
+            _table(
+                [
+                    "workload",
+                    "backend",
+                    "eager (ms)",
+                    "ours (ms)",
+                    "torch CA (ms)",
+                    "ours / eager",
+                    "torch CA / eager",
+                    "ours / torch CA",
+                    "ours / torch CA (min)",
+                    "ours / floor",
+                    "torch CA / floor",
+                    "ours first bwd (s)",
+                    "torch CA first bwd (s)",
+                    "max \\|Δgrad\\| ours / torch",
+                    "status",
+                ],
+                table,
+            ),
+            "",
+        ]
 
     if fixed:
         lines += [
@@ -202,20 +244,50 @@ def markdown(data: dict) -> str:
         ]
         table = []
         for r in fixed:
-            table.append([
-                r["workload"], MODE_LABELS.get(r["mode"], r["mode"]), _num(r.get("nodes")),
-                _num(r.get("first_backward_s"), digits=3),
-                _num(r.get("time_to_compiled_s") if r["mode"] != "eager" else None, digits=3),
-                _num(r.get("steady_median_s"), 1e3, digits=3),
-                _ratio(r.get("vs_eager")), _ratio(r.get("vs_eager_min")), _ratio(r.get("vs_floor")), _compiles(r),
-                _num(r.get("peak_rss_mb"), fmt="{:.0f}"), _diff(r.get("max_grad_diff")),
-                _num(r.get("per_node_us"), digits=3), _num(r.get("overhead_per_node_us"), digits=3),
-                _faults(r), _status(r),
-            ])
-        lines += [_table(["workload", "mode", "nodes", "first bwd (s)", "until compiled (s)", "steady (ms)",
-                          "vs eager", "vs eager (min)", "vs floor",
-                          "compiles", "peak RSS (MB)", "max \\|Δgrad\\|", "µs/node", "overhead µs/node",
-                          "page faults / bwd (eager)", "status"], table), ""]
+            table.append(
+                [
+                    r["workload"],
+                    MODE_LABELS.get(r["mode"], r["mode"]),
+                    _num(r.get("nodes")),
+                    _num(r.get("first_backward_s"), digits=3),
+                    _num(r.get("time_to_compiled_s") if r["mode"] != "eager" else None, digits=3),
+                    _num(r.get("steady_median_s"), 1e3, digits=3),
+                    _ratio(r.get("vs_eager")),
+                    _ratio(r.get("vs_eager_min")),
+                    _ratio(r.get("vs_floor")),
+                    _compiles(r),
+                    _num(r.get("peak_rss_mb"), fmt="{:.0f}"),
+                    _diff(r.get("max_grad_diff")),
+                    _num(r.get("per_node_us"), digits=3),
+                    _num(r.get("overhead_per_node_us"), digits=3),
+                    _faults(r),
+                    _status(r),
+                ]
+            )
+        lines += [
+            _table(
+                [
+                    "workload",
+                    "mode",
+                    "nodes",
+                    "first bwd (s)",
+                    "until compiled (s)",
+                    "steady (ms)",
+                    "vs eager",
+                    "vs eager (min)",
+                    "vs floor",
+                    "compiles",
+                    "peak RSS (MB)",
+                    "max \\|Δgrad\\|",
+                    "µs/node",
+                    "overhead µs/node",
+                    "page faults / bwd (eager)",
+                    "status",
+                ],
+                table,
+            ),
+            "",
+        ]
 
         # Floor
         floors = {}
@@ -235,10 +307,18 @@ def markdown(data: dict) -> str:
             ]
             t = []
             for w, r in floors.items():
-                ops = ", ".join(f"{k.replace('aten::', '')} {v / 1e3:.1f}"
-                                for k, v in sorted(r.get("floor_ops_us", {}).items(), key=lambda kv: -kv[1]))
-                t.append([w, _num(r.get("floor_s"), 1e3), _num(r.get("eager_steady_median_s"), 1e3),
-                          _ratio(r.get("eager_vs_floor")), ops or "(no matmul/conv: floor 0)"])
+                ops = ", ".join(
+                    f"{k.replace('aten::', '')} {v / 1e3:.1f}" for k, v in sorted(r.get("floor_ops_us", {}).items(), key=lambda kv: -kv[1])
+                )
+                t.append(
+                    [
+                        w,
+                        _num(r.get("floor_s"), 1e3),
+                        _num(r.get("eager_steady_median_s"), 1e3),
+                        _ratio(r.get("eager_vs_floor")),
+                        ops or "(no matmul/conv: floor 0)",
+                    ]
+                )
             lines += [_table(["workload", "floor (ms)", "eager steady (ms)", "eager / floor", "ops (ms)"], t), ""]
 
         tmem = [r for r in fixed if r.get("step_tensor_peak_mb") is not None and r["mode"] != "eager"]
@@ -254,14 +334,20 @@ def markdown(data: dict) -> str:
                 "ratio (<= 1.10x), and stricter than one on the whole process, whose parameters are the same "
                 "in both.",
             )
-            t = [[r["workload"], MODE_LABELS.get(r["mode"], r["mode"]), _num(r["step_tensor_peak_mb"]),
-                  _num(r["eager_step_tensor_peak_mb"]),
-                  _num(r["step_tensor_peak_mb"] / r["eager_step_tensor_peak_mb"], fmt="{:.2f}x")
-                  if r["eager_step_tensor_peak_mb"] else "-",
-                  _num(r.get("param_mb"))]
-                 for r in tmem]
-            lines += [_table(["workload", "mode", "step peak (MB)", "eager step peak (MB)", "vs eager",
-                              "parameters (MB)"], t), ""]
+            t = [
+                [
+                    r["workload"],
+                    MODE_LABELS.get(r["mode"], r["mode"]),
+                    _num(r["step_tensor_peak_mb"]),
+                    _num(r["eager_step_tensor_peak_mb"]),
+                    _num(r["step_tensor_peak_mb"] / r["eager_step_tensor_peak_mb"], fmt="{:.2f}x")
+                    if r["eager_step_tensor_peak_mb"]
+                    else "-",
+                    _num(r.get("param_mb")),
+                ]
+                for r in tmem
+            ]
+            lines += [_table(["workload", "mode", "step peak (MB)", "eager step peak (MB)", "vs eager", "parameters (MB)"], t), ""]
 
         mem = [r for r in fixed if r.get("bwd_peak_mb") is not None and r["mode"] != "eager"]
         if mem:
@@ -276,10 +362,16 @@ def markdown(data: dict) -> str:
                 "graph; the test `tests/test_memory.py` checks the mechanism (saved tensors freed at their "
                 "last use inside the graph) exactly.",
             )
-            t = [[r["workload"], MODE_LABELS.get(r["mode"], r["mode"]), _num(r["bwd_peak_mb"], fmt="{:.1f}"),
-                  _num(r.get("eager_bwd_peak_mb"), fmt="{:.1f}"),
-                  _num(r["bwd_peak_mb"] - r["eager_bwd_peak_mb"], fmt="{:+.1f}") if r.get("eager_bwd_peak_mb") is not None else "-"]
-                 for r in mem]
+            t = [
+                [
+                    r["workload"],
+                    MODE_LABELS.get(r["mode"], r["mode"]),
+                    _num(r["bwd_peak_mb"], fmt="{:.1f}"),
+                    _num(r.get("eager_bwd_peak_mb"), fmt="{:.1f}"),
+                    _num(r["bwd_peak_mb"] - r["eager_bwd_peak_mb"], fmt="{:+.1f}") if r.get("eager_bwd_peak_mb") is not None else "-",
+                ]
+                for r in mem
+            ]
             lines += [_table(["workload", "mode", "backward peak (MB)", "eager backward peak (MB)", "difference (MB)"], t), ""]
 
         chain = [r for r in fixed if r["workload"] == "chain"]
@@ -298,12 +390,30 @@ def markdown(data: dict) -> str:
             for r in chain:
                 n = r.get("nodes") or 1
                 g = r.get("graph_median_s")
-                t.append([MODE_LABELS.get(r["mode"], r["mode"]), _num(r.get("per_node_us")),
-                          _num(r.get("eager_per_node_us")),
-                          _num(g / n * 1e6 if g is not None else None), _num(r.get("overhead_per_node_us")),
-                          _num(r.get("overhead_median_s"), 1e3)])
-            lines += [_table(["mode", "backward µs/node", "eager µs/node (same process)", "graph µs/node",
-                              "overhead µs/node", "overhead per backward (ms)"], t), ""]
+                t.append(
+                    [
+                        MODE_LABELS.get(r["mode"], r["mode"]),
+                        _num(r.get("per_node_us")),
+                        _num(r.get("eager_per_node_us")),
+                        _num(g / n * 1e6 if g is not None else None),
+                        _num(r.get("overhead_per_node_us")),
+                        _num(r.get("overhead_median_s"), 1e3),
+                    ]
+                )
+            lines += [
+                _table(
+                    [
+                        "mode",
+                        "backward µs/node",
+                        "eager µs/node (same process)",
+                        "graph µs/node",
+                        "overhead µs/node",
+                        "overhead per backward (ms)",
+                    ],
+                    t,
+                ),
+                "",
+            ]
 
     if stream:
         lines += [
@@ -327,24 +437,60 @@ def markdown(data: dict) -> str:
             if len(comp) > 8:
                 steps += ", ..."
             l10, l10e = r.get("last10_total_s"), r.get("last10_eager_total_s")
-            t.append([
-                MODE_LABELS.get(r["mode"], r["mode"]), _num(r.get("loop_wall_s")), _num(r.get("eager_loop_wall_s")),
-                _ratio(r.get("vs_eager")), _num(r.get("total_s")), _num(r.get("eager_total_s")),
-                _ratio(r.get("vs_eager_backward_sum")), _compiles(r), _num(r.get("first_backward_s")),
-                steps or "-", _ratio(l10 / l10e if l10 and l10e else None), _diff(r.get("max_grad_diff")),
-                _num(r.get("peak_rss_mb"), fmt="{:.0f}"), _status(r),
-            ])
-        lines += [_table(["mode", "loop wall (s)", "eager loop wall (s)", "vs eager", "bwd sum (s)",
-                          "eager bwd sum (s)", "bwd sum vs eager", "compiles", "first bwd (s)",
-                          "compiled at step:BxS", "last 10 vs eager", "max \\|Δgrad\\|", "peak RSS (MB)",
-                          "status"], t), ""]
+            t.append(
+                [
+                    MODE_LABELS.get(r["mode"], r["mode"]),
+                    _num(r.get("loop_wall_s")),
+                    _num(r.get("eager_loop_wall_s")),
+                    _ratio(r.get("vs_eager")),
+                    _num(r.get("total_s")),
+                    _num(r.get("eager_total_s")),
+                    _ratio(r.get("vs_eager_backward_sum")),
+                    _compiles(r),
+                    _num(r.get("first_backward_s")),
+                    steps or "-",
+                    _ratio(l10 / l10e if l10 and l10e else None),
+                    _diff(r.get("max_grad_diff")),
+                    _num(r.get("peak_rss_mb"), fmt="{:.0f}"),
+                    _status(r),
+                ]
+            )
+        lines += [
+            _table(
+                [
+                    "mode",
+                    "loop wall (s)",
+                    "eager loop wall (s)",
+                    "vs eager",
+                    "bwd sum (s)",
+                    "eager bwd sum (s)",
+                    "bwd sum vs eager",
+                    "compiles",
+                    "first bwd (s)",
+                    "compiled at step:BxS",
+                    "last 10 vs eager",
+                    "max \\|Δgrad\\|",
+                    "peak RSS (MB)",
+                    "status",
+                ],
+                t,
+            ),
+            "",
+        ]
 
     # Failures and fallbacks
     bad = [r for r in rows if r.get("status") != "ok"]
-    fb = [r for r in rows if r.get("status") == "ok" and ((r.get("stats") or {}).get("eager_fallbacks")
-                                                          or (r.get("stats") or {}).get("opaque_nodes")
-                                                          or (r.get("stats") or {}).get("compile_failures")
-                                                          or r.get("background_compile_errors"))]
+    fb = [
+        r
+        for r in rows
+        if r.get("status") == "ok"
+        and (
+            (r.get("stats") or {}).get("eager_fallbacks")
+            or (r.get("stats") or {}).get("opaque_nodes")
+            or (r.get("stats") or {}).get("compile_failures")
+            or r.get("background_compile_errors")
+        )
+    ]
     if bad or fb:
         lines += ["## Failures, timeouts and fallbacks", ""]
         for r in bad:
@@ -356,16 +502,19 @@ def markdown(data: dict) -> str:
                 lines += ["```", *tail, "```", ""]
         for r in fb:
             s = r["stats"]
-            lines += [f"- {r['workload']} / {r['mode']}: eager_fallbacks={s.get('eager_fallbacks')} "
-                      f"{s.get('fallback_reasons', {})}; opaque_nodes={s.get('opaque_nodes')} "
-                      f"{s.get('opaque_reasons', {})}; compile_failures={s.get('compile_failures', 0)} "
-                      f"{r.get('background_compile_errors', [])}"]
+            lines += [
+                f"- {r['workload']} / {r['mode']}: eager_fallbacks={s.get('eager_fallbacks')} "
+                f"{s.get('fallback_reasons', {})}; opaque_nodes={s.get('opaque_nodes')} "
+                f"{s.get('opaque_reasons', {})}; compile_failures={s.get('compile_failures', 0)} "
+                f"{r.get('background_compile_errors', [])}"
+            ]
         lines.append("")
 
     lines += [
         "## Files",
         "",
-        "- `results.json` (in the benchmark's output folder, not kept in git): every row with all measurements (per-iteration times, counters, floor ops, "
+        "- `results.json` (in the benchmark's output folder, not kept in git): every row with all measurements "
+        "(per-iteration times, counters, floor ops, "
         "the worker command of each row)",
         "- `steady_state.png`: steady-state backward time relative to eager (same process), per workload and mode",
         "",
@@ -390,9 +539,17 @@ def plot(data: dict, path: Path) -> bool:
     modes = [m for m in data.get("modes", []) if any(r["mode"] == m for r in rows)]
     fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(workloads) + 2), 5))
     width = 0.8 / max(1, len(modes))
-    colors = {"eager": "#888888", "torch-ca:aot_eager": "#9ecae1", "torch-ca:inductor": "#3182bd",
-              "ours:aot_eager": "#fdae6b", "ours:inductor": "#e6550d", "ours:eager": "#fdd0a2",
-              "torch-ca:eager": "#c6dbef", "ours:inductor:sync": "#a63603", "ours:aot_eager:sync": "#fdd0a2"}
+    colors = {
+        "eager": "#888888",
+        "torch-ca:aot_eager": "#9ecae1",
+        "torch-ca:inductor": "#3182bd",
+        "ours:aot_eager": "#fdae6b",
+        "ours:inductor": "#e6550d",
+        "ours:eager": "#fdd0a2",
+        "torch-ca:eager": "#c6dbef",
+        "ours:inductor:sync": "#a63603",
+        "ours:aot_eager:sync": "#fdd0a2",
+    }
     for j, m in enumerate(modes):
         xs, ys = [], []
         for i, w in enumerate(workloads):
@@ -403,8 +560,16 @@ def plot(data: dict, path: Path) -> bool:
             ys.append(r["vs_eager"])
         bars = ax.bar(xs, ys, width, label=MODE_LABELS.get(m, m), color=colors.get(m))
         for b, y in zip(bars, ys):
-            ax.annotate(f"{y:.2f}", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=7,
-                        rotation=90, xytext=(0, 2), textcoords="offset points")
+            ax.annotate(
+                f"{y:.2f}",
+                (b.get_x() + b.get_width() / 2, y),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                rotation=90,
+                xytext=(0, 2),
+                textcoords="offset points",
+            )
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_yscale("log")
     ax.set_xticks(range(len(workloads)))
@@ -427,8 +592,9 @@ def write_report(data: dict, out_dir: Path) -> None:
     ok = plot(data, out_dir / "steady_state.png")
     text = markdown(data)
     if (out_dir / "findings.md").exists():
-        text = text.replace("\nModes: ", "\nRead with [findings.md](findings.md) (what the numbers say, and the problems found).\n\nModes: ", 1)
+        text = text.replace(
+            "\nModes: ", "\nRead with [findings.md](findings.md) (what the numbers say, and the problems found).\n\nModes: ", 1
+        )
     if not ok:
-        text = text.replace("![steady state relative to eager](steady_state.png)", "(no plot: matplotlib missing "
-                            "or no successful rows)")
+        text = text.replace("![steady state relative to eager](steady_state.png)", "(no plot: matplotlib missing or no successful rows)")
     (out_dir / "results.md").write_text(text)

@@ -121,7 +121,7 @@ def _background_compile_errors(text: str) -> list[str]:
     lines = text.splitlines()
     for i, ln in enumerate(lines):
         if "background compile failed" in ln:
-            for nxt in lines[i + 1:]:
+            for nxt in lines[i + 1 :]:
                 if nxt.startswith(("Traceback", " ")) or not nxt.strip():
                     continue
                 out.append(nxt.strip()[:300])
@@ -132,9 +132,25 @@ def _background_compile_errors(text: str) -> list[str]:
 def run_worker(workload, mode, args, cache_dir, tmp: Path, tag="") -> dict:
     result = tmp / f"{workload}-{mode.replace(':', '_')}{tag}.json"
     log = tmp / f"{workload}-{mode.replace(':', '_')}{tag}.log"
-    cmd = [sys.executable, "-m", "benchmarks.worker", "--workload", workload, "--mode", mode,
-           "--iters", str(args.iters), "--warmup", str(args.warmup), "--min-time", str(args.min_time), "--threads", str(args.threads),
-           "--result", str(result)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.worker",
+        "--workload",
+        workload,
+        "--mode",
+        mode,
+        "--iters",
+        str(args.iters),
+        "--warmup",
+        str(args.warmup),
+        "--min-time",
+        str(args.min_time),
+        "--threads",
+        str(args.threads),
+        "--result",
+        str(result),
+    ]
     if args.quick:
         cmd.append("--quick")
     if args.device != "cpu":
@@ -152,8 +168,9 @@ def run_worker(workload, mode, args, cache_dir, tmp: Path, tag="") -> dict:
     rc = None
     with open(log, "w") as out:
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=_env(cache_dir, args.threads), stdout=out,
-                                  stderr=subprocess.STDOUT, timeout=args.timeout)
+            proc = subprocess.run(
+                cmd, cwd=ROOT, env=_env(cache_dir, args.threads), stdout=out, stderr=subprocess.STDOUT, timeout=args.timeout
+            )
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             status = "timeout"
@@ -196,8 +213,14 @@ def prebuild(args, tmp: Path) -> dict:
     )
     t0 = time.perf_counter()
     try:
-        p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(str(tmp / "prebuild-cache"), args.threads),
-                           capture_output=True, text=True, timeout=args.timeout)
+        p = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            env=_env(str(tmp / "prebuild-cache"), args.threads),
+            capture_output=True,
+            text=True,
+            timeout=args.timeout,
+        )
         out = {"ok": p.returncode == 0, "output": (p.stdout + p.stderr)[-1500:]}
     except subprocess.TimeoutExpired:
         out = {"ok": False, "output": "timeout"}
@@ -210,15 +233,18 @@ def _summary(row) -> str:
         v = row.get(k)
         return "-" if v is None else fmt.format(v * scale)
 
-    s = (f"{row['workload']:12s} {row['mode']:20s} {row['status']:8s} first={f('first_backward_s')}s "
-         f"steady={f('steady_median_s', 1e3)}ms vs_eager={f('vs_eager')} compiles={row.get('stats', {}).get('compiles', '-')} "
-         f"diff={f('max_grad_diff')} rss={f('peak_rss_mb', 1, '{:.0f}')}MB wall={f('subprocess_wall_s', 1, '{:.0f}')}s")
+    s = (
+        f"{row['workload']:12s} {row['mode']:20s} {row['status']:8s} first={f('first_backward_s')}s "
+        f"steady={f('steady_median_s', 1e3)}ms vs_eager={f('vs_eager')} compiles={row.get('stats', {}).get('compiles', '-')} "
+        f"diff={f('max_grad_diff')} rss={f('peak_rss_mb', 1, '{:.0f}')}MB wall={f('subprocess_wall_s', 1, '{:.0f}')}s"
+    )
     if row.get("mode", "").startswith("h2h"):
-        s += (f" ours/eager={f('ours_vs_eager')} torch/eager={f('theirs_vs_eager')} ours/torch={f('ours_vs_theirs')} "
-              f"(min {f('ours_vs_theirs_min')}) ours/floor={f('ours_vs_floor')}")
+        s += (
+            f" ours/eager={f('ours_vs_eager')} torch/eager={f('theirs_vs_eager')} ours/torch={f('ours_vs_theirs')} "
+            f"(min {f('ours_vs_theirs_min')}) ours/floor={f('ours_vs_floor')}"
+        )
     elif row.get("workload") == "stream":
-        s += (f" bwd_sum={f('total_s')}s (eager {f('eager_total_s')}s) loop={f('loop_wall_s')}s "
-              f"(eager {f('eager_loop_wall_s')}s)")
+        s += f" bwd_sum={f('total_s')}s (eager {f('eager_total_s')}s) loop={f('loop_wall_s')}s (eager {f('eager_loop_wall_s')}s)"
     elif row.get("time_to_compiled_s") is not None and row.get("background_compile_wait_s"):
         s += f" until_compiled={f('time_to_compiled_s')}s"
     if row["status"] != "ok":
@@ -229,30 +255,45 @@ def _summary(row) -> str:
 def main(argv=None, prog: str | None = None) -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {','.join(WORKLOADS)}")
-    ap.add_argument("--modes", default=",".join(MODES),
-                    help=f"comma list of {','.join(MODES)} (also ours:eager, torch-ca:eager, "
-                         "ours:inductor:sync = ours with background=False, and h2h:inductor = ours (background=False), "
-                         "torch's and eager alternating in one process)")
+    ap.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma list of {','.join(MODES)} (also ours:eager, torch-ca:eager, "
+        "ours:inductor:sync = ours with background=False, and h2h:inductor = ours (background=False), "
+        "torch's and eager alternating in one process)",
+    )
     ap.add_argument("--iters", type=int, default=20, help="timed backwards per mode (steady state), default 20")
     ap.add_argument("--warmup", type=int, default=3, help="untimed backwards after the first, default 3")
-    ap.add_argument("--min-time", type=float, default=2.0,
-                    help="keep timing pairs past --iters until the mode's backwards add up to this many seconds "
-                         "(at most 25 x --iters), default 2")
+    ap.add_argument(
+        "--min-time",
+        type=float,
+        default=2.0,
+        help="keep timing pairs past --iters until the mode's backwards add up to this many seconds (at most 25 x --iters), default 2",
+    )
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads in every subprocess, default 2")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
-    ap.add_argument("--device", default="cpu", help="where the workloads run (cpu, cuda), default cpu; on an "
-                    "accelerator every timed backward ends with a synchronize, and the floor and tensor-peak "
-                    "profiles are skipped")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="where the workloads run (cpu, cuda), default cpu; on an "
+        "accelerator every timed backward ends with a synchronize, and the floor and tensor-peak "
+        "profiles are skipped",
+    )
     ap.add_argument("--out", default="docs/bench", help="output folder (relative to the repo root), default docs/bench")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per subprocess, default 900")
-    ap.add_argument("--warm-cache", action="store_true",
-                    help="use a fixed inductor cache dir and prime it with one unmeasured process per row, "
-                         "so the measured first backward is a second process's")
-    ap.add_argument("--cache-dir", default=None, help="the fixed cache dir for --warm-cache "
-                    "(default: $TMPDIR/compiled_autograd_bench_inductor_cache)")
+    ap.add_argument(
+        "--warm-cache",
+        action="store_true",
+        help="use a fixed inductor cache dir and prime it with one unmeasured process per row, "
+        "so the measured first backward is a second process's",
+    )
+    ap.add_argument(
+        "--cache-dir", default=None, help="the fixed cache dir for --warm-cache (default: $TMPDIR/compiled_autograd_bench_inductor_cache)"
+    )
     ap.add_argument("--no-profile", action="store_true", help="skip the profiler floor")
-    ap.add_argument("--omp-active", action="store_true",
-                    help="keep OpenMP's default (spinning) wait policy instead of OMP_WAIT_POLICY=PASSIVE")
+    ap.add_argument(
+        "--omp-active", action="store_true", help="keep OpenMP's default (spinning) wait policy instead of OMP_WAIT_POLICY=PASSIVE"
+    )
     ap.add_argument("--report-only", action="store_true", help="re-render results.md/png from OUT/results.json")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
@@ -277,8 +318,15 @@ def main(argv=None, prog: str | None = None) -> int:
     for m in modes:
         kind, _, backend = m.partition(":")
         backend, _, option = backend.partition(":")
-        if not (m == "eager" or (kind in ("ours", "torch-ca", "h2h") and backend in ("eager", "aot_eager", "inductor")
-                                 and option in ("", "sync") and not (option and kind != "ours"))):
+        if not (
+            m == "eager"
+            or (
+                kind in ("ours", "torch-ca", "h2h")
+                and backend in ("eager", "aot_eager", "inductor")
+                and option in ("", "sync")
+                and not (option and kind != "ours")
+            )
+        ):
             ap.error(f"unknown mode {m!r}")
         if kind == "h2h" and "stream" in workloads:
             ap.error("the head-to-head mode (h2h:B) takes the fixed workloads, not the stream")

@@ -132,9 +132,20 @@ def _worker(args) -> int:
     res["total_s"] = pc() - t_start
     if ca is not None:
         s = ca.stats()
-        res["stats"] = {k: getattr(s, k) for k in ("captures", "hits", "eager_fallbacks", "eager_while_compiling",
-                                                     "compile_seconds", "trace_seconds", "compiles_pending",
-                                                     "compile_failures", "child_compiles")}
+        res["stats"] = {
+            k: getattr(s, k)
+            for k in (
+                "captures",
+                "hits",
+                "eager_fallbacks",
+                "eager_while_compiling",
+                "compile_seconds",
+                "trace_seconds",
+                "compiles_pending",
+                "compile_failures",
+                "child_compiles",
+            )
+        }
         res["stats"]["fallback_reasons"] = {str(k): v for k, v in s.fallback_reasons.items()}
     save()
     if ca is not None:
@@ -168,13 +179,20 @@ def _run_one(args, workload: str, mode: str, steps: int, out_dir: Path, until: f
         # a first process with the same model ran until its compile was in (its exit waits for
         # it), sharing its caches (inductor's, and our disk cache): the next one is measured
         # (and its compiled package made: NOTE [Compiled graphs loaded without inductor])
-        prime = _worker_run(args, workload, mode, 2, out_dir, cache, dict(COMPILED_AUTOGRAD_EXIT_WAIT="inf",
-                                                                          COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="600",
-                                                                          COMPILED_AUTOGRAD_DISK_CACHE="1"))
+        prime = _worker_run(
+            args,
+            workload,
+            mode,
+            2,
+            out_dir,
+            cache,
+            dict(COMPILED_AUTOGRAD_EXIT_WAIT="inf", COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="600", COMPILED_AUTOGRAD_DISK_CACHE="1"),
+        )
         if prime[0] != 0:
             print(f"    priming run failed: {prime[1][-500:]}", flush=True)
-    rc, err, wall, load = _worker_run(args, workload, mode, steps, out_dir, cache,
-                                      dict(COMPILED_AUTOGRAD_DISK_CACHE="1") if args.warm else {}, until)
+    rc, err, wall, load = _worker_run(
+        args, workload, mode, steps, out_dir, cache, dict(COMPILED_AUTOGRAD_DISK_CACHE="1") if args.warm else {}, until
+    )
     result = out_dir / f".{workload}-{mode}.json"
     shutil.rmtree(cache, ignore_errors=True)
     try:
@@ -182,8 +200,13 @@ def _run_one(args, workload: str, mode: str, steps: int, out_dir: Path, until: f
         result.unlink()
     except (OSError, ValueError):
         row = {"workload": workload, "mode": mode, "steps": []}
-    row.update(status="ok" if rc == 0 else f"rc={rc}", process_wall_s=wall, loadavg_before=load,
-               loadavg_after=os.getloadavg(), warm=bool(args.warm))
+    row.update(
+        status="ok" if rc == 0 else f"rc={rc}",
+        process_wall_s=wall,
+        loadavg_before=load,
+        loadavg_after=os.getloadavg(),
+        warm=bool(args.warm),
+    )
     if rc != 0:
         row["stderr_tail"] = err[-3000:]
     return row
@@ -191,8 +214,22 @@ def _run_one(args, workload: str, mode: str, steps: int, out_dir: Path, until: f
 
 def _worker_run(args, workload, mode, steps, out_dir, cache, extra_env, until=0.0):
     result = out_dir / f".{workload}-{mode}.json"
-    cmd = [sys.executable, "-m", "benchmarks.time_to_train", "--worker", "--workload", workload, "--mode", mode,
-           "--steps", str(steps), "--threads", str(args.threads), "--result", str(result)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.time_to_train",
+        "--worker",
+        "--workload",
+        workload,
+        "--mode",
+        mode,
+        "--steps",
+        str(steps),
+        "--threads",
+        str(args.threads),
+        "--result",
+        str(result),
+    ]
     if args.quick:
         cmd.append("--quick")
     if args.deadline:
@@ -228,10 +265,18 @@ def _main(args) -> int:
     # bytecode, which pip writes when it installs a package (torch's is there): where
     # PYTHONDONTWRITEBYTECODE is set, as on our CI machine, every worker otherwise compiled
     # our sources again inside its first backward (17 ms of the MLP's first step)
-    subprocess.run([sys.executable, "-c", "import compileall, os, compiled_autograd as ca; "
-                    "compileall.compile_dir(os.path.dirname(ca.__file__), quiet=1); "
-                    "from compiled_autograd import native; native.load()"], cwd=ROOT,
-                   env=_env(tempfile.gettempdir(), args.threads), check=False)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import compileall, os, compiled_autograd as ca; "
+            "compileall.compile_dir(os.path.dirname(ca.__file__), quiet=1); "
+            "from compiled_autograd import native; native.load()",
+        ],
+        cwd=ROOT,
+        env=_env(tempfile.gettempdir(), args.threads),
+        check=False,
+    )
     workloads = args.workloads.split(",")
     modes = args.modes.split(",")
     if "eager" in modes:
@@ -303,17 +348,21 @@ def summarize(data: dict) -> list:
         e_times = [s["s"] for s in eager["steps"]] if eager else []
         n15 = _n_at(e_times, data.get("target_seconds", 15.0)) if e_times else None
         ns = sorted({n for n in (data.get("steps"), n15) if n})
-        e_tail = _median(e_times[len(e_times) // 2:]) if e_times else None
+        e_tail = _median(e_times[len(e_times) // 2 :]) if e_times else None
         sums = {}
         for r in rows:
             times = [s["s"] for s in r["steps"]]
             sums[r["mode"]] = {n: sum(times[:n]) for n in ns if len(times) >= n}
         for r in rows:
             times = [s["s"] for s in r["steps"]]
-            steady = _median(times[len(times) // 2:]) if times else None
+            steady = _median(times[len(times) // 2 :]) if times else None
             row = {
-                "workload": wl, "mode": r["mode"], "status": r.get("status"), "steps_run": len(times),
-                "first_step_s": times[0] if times else None, "steady_step_s": steady,
+                "workload": wl,
+                "mode": r["mode"],
+                "status": r.get("status"),
+                "steps_run": len(times),
+                "first_step_s": times[0] if times else None,
+                "steady_step_s": steady,
                 "steady_vs_eager": steady / e_tail if steady and e_tail else None,
                 "loadavg": [r.get("loadavg_before", [None])[0], r.get("loadavg_after", [None])[0]],
             }
@@ -368,28 +417,39 @@ def rounds(data: dict, ns_of: dict) -> dict:
                         row["vs_eager"].setdefault(mode, {})[n] = v / eager[n]
                         ratios.setdefault((mode, n), []).append(v / eager[n])
             table.append(row)
-        out[wl] = {"rounds": table, "median_vs_eager": {f"{m} {n}": _median(v) for (m, n), v in ratios.items()},
-                   "range_vs_eager": {f"{m} {n}": [min(v), max(v)] for (m, n), v in ratios.items()}}
+        out[wl] = {
+            "rounds": table,
+            "median_vs_eager": {f"{m} {n}": _median(v) for (m, n), v in ratios.items()},
+            "range_vs_eager": {f"{m} {n}": [min(v), max(v)] for (m, n), v in ratios.items()},
+        }
     return out
 
 
 def _rounds_lines(rep: dict, ns: list) -> list:
     modes = [m for m in dict.fromkeys(m for row in rep["rounds"] for m in row["totals"]) if m != "eager"]
     head = "| round | " + " | ".join(f"eager, {n} steps | " + " | ".join(f"{m}, {n} steps (vs eager)" for m in modes) for n in ns) + " |"
-    lines = ["Repeated runs (each round one fresh process per mode, the order alternating):", "", head,
-             "|" + "---|" * (1 + len(ns) * (1 + len(modes)))]
+    lines = [
+        "Repeated runs (each round one fresh process per mode, the order alternating):",
+        "",
+        head,
+        "|" + "---|" * (1 + len(ns) * (1 + len(modes))),
+    ]
     for row in rep["rounds"]:
         cells = [str(row["round"])]
         for n in ns:
             cells.append(_f(row["totals"].get("eager", {}).get(n), "{:.2f} s"))
             for m in modes:
-                cells.append(f"{_f(row['totals'].get(m, {}).get(n), '{:.2f} s')} "
-                             f"({_f(row['vs_eager'].get(m, {}).get(n), '{:.3f}x')})")
+                cells.append(f"{_f(row['totals'].get(m, {}).get(n), '{:.2f} s')} ({_f(row['vs_eager'].get(m, {}).get(n), '{:.3f}x')})")
         lines.append("| " + " | ".join(cells) + " |")
     med = rep["median_vs_eager"]
     rng = rep["range_vs_eager"]
-    lines += ["", "Median of the rounds' ratios to eager: " + "; ".join(
-        f"{k.split()[0]}, {k.split()[1]} steps: {v:.3f}x ({rng[k][0]:.3f}-{rng[k][1]:.3f}x)" for k, v in med.items()) + ".", ""]
+    lines += [
+        "",
+        "Median of the rounds' ratios to eager: "
+        + "; ".join(f"{k.split()[0]}, {k.split()[1]} steps: {v:.3f}x ({rng[k][0]:.3f}-{rng[k][1]:.3f}x)" for k, v in med.items())
+        + ".",
+        "",
+    ]
     return lines
 
 
@@ -400,7 +460,9 @@ def _f(x, fmt="{:.3f}"):
 def write_report(data: dict, out_dir: Path) -> None:
     rows = summarize(data)
     data["summary"] = rows
-    ns_of = {wl: sorted({int(n) for r in rows if r["workload"] == wl for n in r["totals"]}) for wl in dict.fromkeys(r["workload"] for r in rows)}
+    ns_of = {
+        wl: sorted({int(n) for r in rows if r["workload"] == wl for n in r["totals"]}) for wl in dict.fromkeys(r["workload"] for r in rows)
+    }
     data["rounds"] = rounds(data, ns_of)
     (out_dir / "results.json").write_text(json.dumps(data, indent=1))
     m = data.get("machine", {})
@@ -455,8 +517,13 @@ def write_report(data: dict, out_dir: Path) -> None:
                     f"{_f(t.get('vs_torch.compile'), '{:.2f}x')})"
                 )
             lines.append("| " + " | ".join(cells) + " |")
-        lines += ["", "Load average (1 min) before/after each row: " + ", ".join(
-            f"{r['mode']} {_f(r['loadavg'][0], '{:.2f}')}/{_f(r['loadavg'][1], '{:.2f}')}" for r in wr) + ".", ""]
+        lines += [
+            "",
+            "Load average (1 min) before/after each row: "
+            + ", ".join(f"{r['mode']} {_f(r['loadavg'][0], '{:.2f}')}/{_f(r['loadavg'][1], '{:.2f}')}" for r in wr)
+            + ".",
+            "",
+        ]
         if wl in data["rounds"]:
             lines += _rounds_lines(data["rounds"][wl], ns)
     notes = data.get("notes")
@@ -512,9 +579,12 @@ def main(argv=None) -> int:
     p.add_argument("--until-seconds", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, default=0.0, help="stop a mode's steps after this many seconds (0: never)")
     p.add_argument("--quick", action="store_true", help="small models, 8 steps, a 0.1 s target: a smoke run")
-    p.add_argument("--warm", action="store_true",
-                   help="ours: measure a second process, after a first one with the same model compiled its graph "
-                        "(sharing inductor's caches and our disk cache)")
+    p.add_argument(
+        "--warm",
+        action="store_true",
+        help="ours: measure a second process, after a first one with the same model compiled its graph "
+        "(sharing inductor's caches and our disk cache)",
+    )
     p.add_argument("--out", default=None, help="default docs/bench/time_to_train (--quick: a temporary folder)")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -525,7 +595,9 @@ def main(argv=None) -> int:
     if args.worker:
         return _worker(args)
     if args.out is None:
-        args.out = os.path.join(tempfile.gettempdir(), "time_to_train_quick") if args.quick else str(ROOT / "docs" / "bench" / "time_to_train")
+        args.out = (
+            os.path.join(tempfile.gettempdir(), "time_to_train_quick") if args.quick else str(ROOT / "docs" / "bench" / "time_to_train")
+        )
     if args.quick:
         args.steps = min(args.steps, 8)
         args.target_seconds = min(args.target_seconds, 0.1)

@@ -169,6 +169,7 @@ class Mode:
         self.native_load_s = None
         try:
             from compiled_autograd import native
+
             t0 = pc()
             native.load()
             self.native_load_s = pc() - t0
@@ -179,6 +180,7 @@ class Mode:
             # the one place the library turns a captured graph into a callable).
             try:
                 from compiled_autograd.compile import backends
+
                 original = backends.compile_graph
 
                 def compile_graph(*args, **kwargs):
@@ -230,8 +232,19 @@ class Mode:
     def _ours_stats(self) -> dict:
         s = self.ca.stats()
         out = {}
-        for k in ("captures", "dynamic_captures", "hits", "eager_fallbacks", "learning_backwards", "opaque_nodes",
-                  "trace_seconds", "compile_seconds", "compiles_pending", "compile_failures", "disk_hits"):
+        for k in (
+            "captures",
+            "dynamic_captures",
+            "hits",
+            "eager_fallbacks",
+            "learning_backwards",
+            "opaque_nodes",
+            "trace_seconds",
+            "compile_seconds",
+            "compiles_pending",
+            "compile_failures",
+            "disk_hits",
+        ):
             if hasattr(s, k):
                 out[k] = getattr(s, k)
         for k in ("fallback_reasons", "opaque_reasons"):
@@ -618,8 +631,7 @@ def run_stream(st: Stream, mode: Mode, args, res: dict, save):
     def after_each(i, t):
         after = mode.stats().get("compiles", 0)
         if after != state["before"]:
-            compiled_at.append({"step": i, "shape": list(st.batches[i][1]), "new_compiles": after - state["before"],
-                                "time_s": t})
+            compiled_at.append({"step": i, "shape": list(st.batches[i][1]), "new_compiles": after - state["before"], "time_s": t})
         state["before"] = after
         if i == 0:
             res["peak_rss_after_first_mb"] = rss_mb()

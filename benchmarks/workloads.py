@@ -203,10 +203,14 @@ def _gradient_penalty(quick: bool) -> Workload:
     backward of the penalty on its norm plus the critic loss, through that first backward."""
     ch, batch, size = (32, 16, 32) if not quick else (4, 2, 8)
     net = nn.Sequential(
-        nn.Conv2d(3, ch, 4, 2, 1), nn.LeakyReLU(0.2),
-        nn.Conv2d(ch, 2 * ch, 4, 2, 1), nn.LeakyReLU(0.2),
-        nn.Conv2d(2 * ch, 4 * ch, 4, 2, 1), nn.LeakyReLU(0.2),
-        nn.Flatten(), nn.Linear(4 * ch * (size // 8) ** 2, 1),
+        nn.Conv2d(3, ch, 4, 2, 1),
+        nn.LeakyReLU(0.2),
+        nn.Conv2d(ch, 2 * ch, 4, 2, 1),
+        nn.LeakyReLU(0.2),
+        nn.Conv2d(2 * ch, 4 * ch, 4, 2, 1),
+        nn.LeakyReLU(0.2),
+        nn.Flatten(),
+        nn.Linear(4 * ch * (size // 8) ** 2, 1),
     )
     real, fake = torch.randn(batch, 3, size, size), torch.randn(batch, 3, size, size)
     eps = torch.rand(batch, 1, 1, 1)
@@ -292,8 +296,20 @@ def _stream(quick: bool) -> Stream:
 
 
 WORKLOADS = [
-    "mlp256", "mlp1024", "transformer", "cnn", "chain", "stream", "checkpointed", "gradient_penalty", "hooked",
-    "param_hooked", "module_hooked", "offloaded", "compiled_mlp1024", "compiled_transformer",
+    "mlp256",
+    "mlp1024",
+    "transformer",
+    "cnn",
+    "chain",
+    "stream",
+    "checkpointed",
+    "gradient_penalty",
+    "hooked",
+    "param_hooked",
+    "module_hooked",
+    "offloaded",
+    "compiled_mlp1024",
+    "compiled_transformer",
 ]
 
 

@@ -76,8 +76,10 @@ def main(argv=None):
     opt = torch.optim.AdamW(params, lr=3e-3)
     ca.reset()
 
-    print(f"compiled_autograd demo: TinyLM ({sum(p.numel() for p in params)/1e6:.2f}M params), "
-          f"backend={args.backend}, {torch.get_num_threads()} threads")
+    print(
+        f"compiled_autograd demo: TinyLM ({sum(p.numel() for p in params) / 1e6:.2f}M params), "
+        f"backend={args.backend}, {torch.get_num_threads()} threads"
+    )
     print("Each step runs the same forward twice: one eager backward, one through compiled_autograd.")
     print("The first compiled backward captures the graph; until its compile (in a background thread")
     print("for inductor) is done, eager autograd runs those backwards ('compiling'); then the compiled code.")
@@ -101,8 +103,10 @@ def main(argv=None):
         if compiled and compiled_at is None:
             compiled_at = step
         kind = "compiled" if compiled else ("captured" if step == 0 else "compiling")
-        print(f"{step:>4} {loss_e.item():>8.4f} {te*1e3:>12.2f} {tc*1e3:>11.2f} {kind:>9} {diff:>16.2e}  "
-              f"captures={s.captures} hits={s.hits} fallbacks={s.eager_fallbacks}")
+        print(
+            f"{step:>4} {loss_e.item():>8.4f} {te * 1e3:>12.2f} {tc * 1e3:>11.2f} {kind:>9} {diff:>16.2e}  "
+            f"captures={s.captures} hits={s.hits} fallbacks={s.eager_fallbacks}"
+        )
         if step + 1 >= args.steps and compiled_at is not None and step - compiled_at >= 7:
             break
         if step + 1 == args.max_steps - 8 and compiled_at is None and args.backend == "inductor":
@@ -112,16 +116,20 @@ def main(argv=None):
             print(f" {time.perf_counter() - t0:.1f} s)")
 
     print()
-    print(f"first backward: eager {times_e[0]*1e3:.1f} ms, ours {times_c[0][0]:.2f} s (capture; the compile runs beside)")
+    print(f"first backward: eager {times_e[0] * 1e3:.1f} ms, ours {times_c[0][0]:.2f} s (capture; the compile runs beside)")
     traced = [t for t, c in times_c[1:] if not c]
     if traced:
-        print(f"while compiling ({len(traced)} steps): ours {statistics.median(traced)*1e3:.2f} ms "
-              f"(median), eager {statistics.median(times_e[1:len(traced) + 1])*1e3:.2f} ms")
+        print(
+            f"while compiling ({len(traced)} steps): ours {statistics.median(traced) * 1e3:.2f} ms "
+            f"(median), eager {statistics.median(times_e[1 : len(traced) + 1]) * 1e3:.2f} ms"
+        )
     done = [(t, e) for (t, c), e in zip(times_c, times_e) if c]
     if done:
         ours, eager = statistics.median(t for t, _ in done), statistics.median(e for _, e in done)
-        print(f"compiled ({len(done)} steps, from step {compiled_at}): ours {ours*1e3:.2f} ms, eager "
-              f"{eager*1e3:.2f} ms: {ours/eager:.2f}x eager")
+        print(
+            f"compiled ({len(done)} steps, from step {compiled_at}): ours {ours * 1e3:.2f} ms, eager "
+            f"{eager * 1e3:.2f} ms: {ours / eager:.2f}x eager"
+        )
     else:
         print(f"the compile did not finish in {args.max_steps} steps")
     print()

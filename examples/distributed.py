@@ -195,8 +195,11 @@ def graph_collectives(gm):
     """The functional collectives of a compiled backward's graph, in its order, each with its
     position among the graph's ops."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
-    return [(n.target._opname, tuple(n.args[0].meta["val"].shape), i) for i, n in enumerate(nodes)
-            if getattr(n.target, "namespace", None) == "_c10d_functional" and n.target._opname in COLLECTIVES], len(nodes)
+    return [
+        (n.target._opname, tuple(n.args[0].meta["val"].shape), i)
+        for i, n in enumerate(nodes)
+        if getattr(n.target, "namespace", None) == "_c10d_functional" and n.target._opname in COLLECTIVES
+    ], len(nodes)
 
 
 def build(args, world):
@@ -308,25 +311,36 @@ def main(argv=None):
     s = ca.stats()
     if rank == 0:
         late = times[len(times) // 2 :]
-        print(f"{args.wrap} on {world} ranks, backend {args.backend}: backward median {statistics.median(late) * 1e3:.1f} ms "
-              f"over the last {len(late)} steps; learning {s.learning_backwards}, captures {s.captures}, hits {s.hits}, eager fallbacks {s.eager_fallbacks}, "
-              f"opaque nodes {dict(s.opaque_reasons) or 0}")
+        print(
+            f"{args.wrap} on {world} ranks, backend {args.backend}: backward median {statistics.median(late) * 1e3:.1f} ms "
+            f"over the last {len(late)} steps; learning {s.learning_backwards}, captures {s.captures}, hits {s.hits}, "
+            f"eager fallbacks {s.eager_fallbacks}, "
+            f"opaque nodes {dict(s.opaque_reasons) or 0}"
+        )
         if args.check:
             print("grads and parameters bitwise equal to eager" if mismatches == 0 else f"{mismatches} tensors differ from eager")
         if args.timeline and is_tp:
             compiled_log, n = graph_collectives(ca.graphs()[-1].graph)
             for name, log, total in (("eager", eager_log.collectives, eager_log.ops), ("compiled", compiled_log, n)):
-                print(f"{name}: {len(log)} collectives among {total} ops: " + ", ".join(f"{op}{list(shape)} at {100 * k / total:.0f}%" for op, shape, k in log))
+                print(
+                    f"{name}: {len(log)} collectives among {total} ops: "
+                    + ", ".join(f"{op}{list(shape)} at {100 * k / total:.0f}%" for op, shape, k in log)
+                )
             same = [c[:2] for c in eager_log.collectives] == [c[:2] for c in compiled_log]
             if args.checkpoint:  # (eager's log holds the recomputed forwards' collectives too)
-                print("(--checkpoint: the recomputed forwards' collectives run inside the checkpoint's unpack hook, "
-                      "called by the graph where eager calls it; only eager's log shows them)")
+                print(
+                    "(--checkpoint: the recomputed forwards' collectives run inside the checkpoint's unpack hook, "
+                    "called by the graph where eager calls it; only eager's log shows them)"
+                )
             else:
                 print("the compiled graph issues eager's collectives in eager's order" if same else "the collectives differ from eager's")
         elif args.timeline:
             for i, launches in fractions.items():
-                print(f"last step, {('compiled', 'eager')[i]}: {len(launches)} gradient collectives launched at "
-                      + ", ".join(f"{100 * f:.0f}%" for f in launches) + " of the backward")
+                print(
+                    f"last step, {('compiled', 'eager')[i]}: {len(launches)} gradient collectives launched at "
+                    + ", ".join(f"{100 * f:.0f}%" for f in launches)
+                    + " of the backward"
+                )
     # free what holds the process group before destroying it, so that gloo's workers stop
     # while Python is whole (tests/test_distributed.py: a worker left freeing a work at exit can
     # abort the process)

@@ -148,8 +148,11 @@ def build(seed: int, batch: int, values_seed: int, dtype=torch.float32):
     init = []
     if rng.random() < 0.3:
         init = [(i, rng.random() < 0.5) for i in range(len(leaves)) if rng.random() < 0.6]
-    init_values = {i: rand(*leaves[i].shape[::-1]).t() if t and leaves[i].dim() == 2 else rand(*leaves[i].shape)
-                   for i, t in init if (values_seed + i) % 3}
+    init_values = {
+        i: rand(*leaves[i].shape[::-1]).t() if t and leaves[i].dim() == 2 else rand(*leaves[i].shape)
+        for i, t in init
+        if (values_seed + i) % 3
+    }
 
     def init_grads():
         for i, t in enumerate(leaves):
@@ -379,7 +382,7 @@ def _op2(kind, o, a, b, d, leaves, consts, retained):
     elif kind == 69:
         y = torch.diag_embed(a).sum(-1) + a.new_ones(()) * b
     elif kind == 70:
-        y = F.group_norm(a.unsqueeze(-1), 1) .squeeze(-1) * b if a.dim() == 2 else a * b
+        y = F.group_norm(a.unsqueeze(-1), 1).squeeze(-1) * b if a.dim() == 2 else a * b
     elif kind == 71:
         y = a.clone()
         y.detach_()

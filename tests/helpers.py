@@ -113,7 +113,13 @@ def counts(*, captures=None, hits=None, learning_backwards=None, opaque_nodes=No
     start = ca.stats()
     yield
     end = ca.stats()
-    want = {"captures": captures, "hits": hits, "learning_backwards": learning_backwards, "opaque_nodes": opaque_nodes, "eager_fallbacks": eager_fallbacks}
+    want = {
+        "captures": captures,
+        "hits": hits,
+        "learning_backwards": learning_backwards,
+        "opaque_nodes": opaque_nodes,
+        "eager_fallbacks": eager_fallbacks,
+    }
     for name, n in want.items():
         if n is not None:
             added = getattr(end, name) - getattr(start, name)
@@ -150,7 +156,9 @@ def compare(
         tol = {k: v for k, v in tolerance(backend).items() if k != "exact"}
     options = {"fullgraph": True, **options}
     results = []
-    with counts(captures=captures, hits=hits, learning_backwards=learning_backwards, opaque_nodes=opaque_nodes, eager_fallbacks=eager_fallbacks):
+    with counts(
+        captures=captures, hits=hits, learning_backwards=learning_backwards, opaque_nodes=opaque_nodes, eager_fallbacks=eager_fallbacks
+    ):
         for step in range(steps):
             want = run(step, contextlib.nullcontext())
             got = run(step, ca.enable(backend, **options))
@@ -215,7 +223,9 @@ def observe(build, backend="eager", steps=2, captures=1, n_opaque=0, hits=None, 
         return built[-1][:2]
 
     compare(
-        run, backend, steps,
+        run,
+        backend,
+        steps,
         captures=captures,
         hits=steps - captures - learning if hits is None else hits,
         learning_backwards=learning,

@@ -258,6 +258,7 @@ def test_input_storages_are_compared_by_identity_and_not_kept_alive():
     from torch.multiprocessing.reductions import StorageWeakRef
 
     from compiled_autograd.calls import kernel as ops
+
     kept = torch.randn(3)
     assert kept[1:] in ops.input_storages([kept])
     args = [torch.randn(1000)]

@@ -230,8 +230,15 @@ def test_a_region_with_donated_buffers_runs_as_is_without_retain_graph():
     region = torch.compile(lambda x, b: ((x @ w).sin() * b).cos(), backend="aot_eager")
     region(torch.randn(2, 5), torch.randn(2, 5)).sum().backward()  # (its dynamic recompile donates)
     w.grad = None
-    parity(lambda x, b: region(x, b).sum(), [w], lambda s: (torch.randn(3, 5), torch.randn(3, 5)), backend="aot_eager",
-           steps=3, captures=None, opaque=("CompiledFunctionBackward",))
+    parity(
+        lambda x, b: region(x, b).sum(),
+        [w],
+        lambda s: (torch.randn(3, 5), torch.randn(3, 5)),
+        backend="aot_eager",
+        steps=3,
+        captures=None,
+        opaque=("CompiledFunctionBackward",),
+    )
     s = ca.stats()
     assert (s.learning_backwards, s.captures, s.hits, s.eager_fallbacks) == (1, 1, 1, 0), s
     assert s.opaque_nodes == 2, s

@@ -222,7 +222,12 @@ def test_torch_func_transforms_fall_back_with_their_reason(transform):
             got = run(x)
         assert_grads_equal([got], [want], what=f"seed {seed}", exact=True)
     s = ca.stats()
-    assert s.captures == 0 and s.eager_fallbacks >= 2 and set(s.fallback_details) == {"functorch transform active"} and set(s.fallback_reasons) == {"functorch"}, s
+    assert (
+        s.captures == 0
+        and s.eager_fallbacks >= 2
+        and set(s.fallback_details) == {"functorch transform active"}
+        and set(s.fallback_reasons) == {"functorch"}
+    ), s
 
 
 def test_a_backward_inside_an_autocast_region_is_its_own_graph():
@@ -494,6 +499,7 @@ def test_untested_torch_runs_every_backward_in_eager(monkeypatch):
     """NOTE [Torch versions]: on a torch release the helper was not written for, it does not
     load: every backward runs in eager, right, counted with the reason; fullgraph raises."""
     from compiled_autograd import native
+
     monkeypatch.delenv("COMPILED_AUTOGRAD_UNTESTED_TORCH", raising=False)
     for version in ("2.13.0+cpu", "2.14.1+cu130", "2.15.0+cu132"):
         assert native.version_problem(version) is None, version
@@ -549,7 +555,11 @@ def test_a_patch_that_does_not_fit_this_torch_names_what_differs(monkeypatch):
         pass
 
     patch = torch_patches.Patch(
-        "freed buffers", "Inductorish.codegen_free", "NOTE [Freed, never reused]", "-", "test moment",
+        "freed buffers",
+        "Inductorish.codegen_free",
+        "NOTE [Freed, never reused]",
+        "-",
+        "test moment",
         lambda: torch_patches._attr(Inductorish, "codegen_free"),
     )
     monkeypatch.setattr(torch_patches, "PATCHES", (patch,))
@@ -578,6 +588,7 @@ def test_a_patch_that_does_not_fit_this_torch_names_what_differs(monkeypatch):
 
 def test_helper_that_fails_to_build_is_tried_once_and_every_backward_runs_in_eager(monkeypatch):
     from compiled_autograd import native
+
     tries = []
 
     def broken():

@@ -20,18 +20,21 @@ def test_tensor_peak_counts_what_is_alive_at_once():
     assert tensor_peak_mb(fn) == 3.0
 
 
-
 def _row(mode, times, rnd=0, **extra):
     return {"workload": "w", "mode": mode, "status": "ok", "round": rnd, "steps": [dict(s=t, **extra) for t in times]}
 
 
 def test_time_to_train_totals_and_rounds():
-    data = {"steps": 3, "target_seconds": 2.0, "rows": [
-        _row("eager", [1.0, 1.0, 1.0, 1.0]),              # N15 here: 2 steps to reach 2.0 s
-        _row("ours", [2.0, 1.0, 1.0], eager_while_compiling=1),
-        _row("ours", [1.5, 1.0, 1.0], rnd=1),             # later rounds: not in the main table
-        _row("eager", [1.0, 1.0, 2.0], rnd=1),
-    ]}
+    data = {
+        "steps": 3,
+        "target_seconds": 2.0,
+        "rows": [
+            _row("eager", [1.0, 1.0, 1.0, 1.0]),  # N15 here: 2 steps to reach 2.0 s
+            _row("ours", [2.0, 1.0, 1.0], eager_while_compiling=1),
+            _row("ours", [1.5, 1.0, 1.0], rnd=1),  # later rounds: not in the main table
+            _row("eager", [1.0, 1.0, 2.0], rnd=1),
+        ],
+    }
     rows = summarize(data)
     assert [r["mode"] for r in rows] == ["eager", "ours"]
     ours = rows[1]

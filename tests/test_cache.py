@@ -54,9 +54,7 @@ def test_changed_constant_recaptures(variants):
     [
         pytest.param([lambda x: (x * 2.0).pow(2).sum(), lambda x: (x * 3.0).pow(2).sum()], id="wrapped_scalar_mul"),
         pytest.param([lambda x: (x / 2.0).pow(2).sum(), lambda x: (x / 5.0).pow(2).sum()], id="wrapped_scalar_div"),
-        pytest.param(
-            [lambda x: (x * torch.tensor(2.0)).sum(), lambda x: (x * torch.tensor(-4.0)).sum()], id="zero_dim_tensor"
-        ),
+        pytest.param([lambda x: (x * torch.tensor(2.0)).sum(), lambda x: (x * torch.tensor(-4.0)).sum()], id="zero_dim_tensor"),
     ],
 )
 def test_lifted_scalar_does_not_recapture(variants):
@@ -104,10 +102,12 @@ def test_hidden_optional_bool_native_dropout_train():
     x = torch.randn(4, 5, requires_grad=True)
     for rnd in range(2):
         for train in (True, False):
+
             def f():
                 torch.manual_seed(rnd)
                 out, mask = torch.native_dropout(x, 0.5, train)
                 return (out * torch.arange(20.0).view(4, 5)).sum()
+
             run_both(f, [x])
     assert ca.stats().captures == 2
 

@@ -83,13 +83,18 @@ def test_graph_travels_with_its_names_and_code():
 
 def test_inputs_travel_with_their_geometry_and_aliases():
     base = torch.randn(6, 4)
-    values = [base, base[1:].t(), torch.zeros(3, dtype=torch.int64).requires_grad_(False), 7,
-              torch.randn(2, requires_grad=True)]
+    values = [base, base[1:].t(), torch.zeros(3, dtype=torch.int64).requires_grad_(False), 7, torch.randn(2, requires_grad=True)]
     back = payload.fakes_of(pickle.loads(pickle.dumps(payload.describe(values))))
     for v, b in zip(values, back):
         if isinstance(v, torch.Tensor):
             assert (b.shape, b.stride(), b.storage_offset(), b.dtype, b.requires_grad, b.device) == (
-                v.shape, v.stride(), v.storage_offset(), v.dtype, v.requires_grad, v.device)
+                v.shape,
+                v.stride(),
+                v.storage_offset(),
+                v.dtype,
+                v.requires_grad,
+                v.device,
+            )
             assert b.untyped_storage().nbytes() == v.untyped_storage().nbytes()
         else:
             assert b == v
@@ -102,8 +107,10 @@ def test_inputs_travel_with_their_geometry_and_aliases():
 def test_inputs_keep_their_device():
     """A CUDA tensor's fake is a CUDA fake (no device memory taken: its storage is meta): the
     child compiles the graph the training process will, under the same cache key."""
-    described = [("tensor", (4, 3), (3, 1), 0, torch.float32, "cuda:0", True, 0, 48),
-                 ("tensor", (3, 4), (1, 3), 0, torch.float32, "cuda:0", False, 0, 48)]
+    described = [
+        ("tensor", (4, 3), (3, 1), 0, torch.float32, "cuda:0", True, 0, 48),
+        ("tensor", (3, 4), (1, 3), 0, torch.float32, "cuda:0", False, 0, 48),
+    ]
     a, b = payload.fakes_of(described)
     assert a.device == b.device == torch.device("cuda:0")
     assert a.requires_grad and not b.requires_grad and b.stride() == (1, 3)
@@ -360,20 +367,29 @@ def test_a_compile_pending_at_exit_finishes_after_it_and_the_next_process_loads_
     import subprocess
     import time
 
-    env = dict(os.environ, COMPILED_AUTOGRAD_GRAPH_DIR=str(tmp_path / "graphs"), COMPILED_AUTOGRAD_DISK_CACHE="1",
-               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), COMPILED_AUTOGRAD_CHILD_NICE="0",
-               COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="600")
+    env = dict(
+        os.environ,
+        COMPILED_AUTOGRAD_GRAPH_DIR=str(tmp_path / "graphs"),
+        COMPILED_AUTOGRAD_DISK_CACHE="1",
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+        COMPILED_AUTOGRAD_CHILD_NICE="0",
+        COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="600",
+    )
     env.pop("COMPILED_AUTOGRAD_EXIT_WAIT", None)
-    first = subprocess.run([sys.executable, "-c", _LEAVES_A_COMPILE, "1", "leave"], env=env, capture_output=True, text=True,
-                           timeout=300)
+    first = subprocess.run([sys.executable, "-c", _LEAVES_A_COMPILE, "1", "leave"], env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
     pid = int(first.stdout.split()[-1])
     deadline = time.time() + 600
     while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
         time.sleep(0.5)
     assert not os.path.exists(f"/proc/{pid}"), "the child left to finish did not end"
-    second = subprocess.run([sys.executable, "-c", _LEAVES_A_COMPILE, "3", "load"], capture_output=True, text=True,
-                            env=dict(env, COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="0"), timeout=600)  # (no package made after)
+    second = subprocess.run(
+        [sys.executable, "-c", _LEAVES_A_COMPILE, "3", "load"],
+        capture_output=True,
+        text=True,
+        env=dict(env, COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="0"),
+        timeout=600,
+    )  # (no package made after)
     assert second.returncode == 0, second.stderr[-2000:]
     disk_hits, captures, child_compiles, hits, misses, compiled = second.stdout.split()[-6:]
     assert (disk_hits, captures, child_compiles, hits, misses, compiled) == ("1", "0", "0", "1", "0", "True"), second.stdout
@@ -385,7 +401,6 @@ def test_explain_says_how_a_pending_compile_is_getting_on_and_what_to_do(monkeyp
     import os
     import signal
     import subprocess
-    import time
 
     from compiled_autograd.compile import share
 
@@ -449,9 +464,15 @@ def test_a_compiled_graph_is_packaged_after_exit_and_the_next_process_runs_it_wi
     import os
     import subprocess
 
-    env = dict(os.environ, COMPILED_AUTOGRAD_GRAPH_DIR=str(tmp_path / "graphs"), COMPILED_AUTOGRAD_DISK_CACHE="1",
-               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), COMPILED_AUTOGRAD_CHILD_NICE="0",
-               COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="600", COMPILED_AUTOGRAD_EXIT_WAIT="inf")
+    env = dict(
+        os.environ,
+        COMPILED_AUTOGRAD_GRAPH_DIR=str(tmp_path / "graphs"),
+        COMPILED_AUTOGRAD_DISK_CACHE="1",
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+        COMPILED_AUTOGRAD_CHILD_NICE="0",
+        COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="600",
+        COMPILED_AUTOGRAD_EXIT_WAIT="inf",
+    )
     first = subprocess.run([sys.executable, "-c", _PACKAGED, "2"], env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-2000:]
     assert first.stdout.split()[-6:] == ["0", "1", "0", "1", "0", "True"], first.stdout
@@ -476,18 +497,20 @@ def test_a_package_is_only_used_where_nobody_set_a_config(monkeypatch):
     default = functorch_config._config["error_on_custom_op_aliasing"].default  # (bool($CI) in torch 2.13)
     monkeypatch.setattr(functorch_config, "error_on_custom_op_aliasing", not default)
     assert package.fingerprint(Config(backend="inductor")) is None
-    check = ("import sys, torch, compiled_autograd as ca\n"
-             "from compiled_autograd.compile import package\n"
-             "from compiled_autograd.config import Config\n"
-             "cfg = Config(backend='inductor')\n"
-             "fp = package.fingerprint(cfg)\n"
-             "import torch._inductor.config as c\n"
-             "assert fp is not None and package.fingerprint(cfg) == fp and package.fingerprint(Config(backend='aot_eager')) is None\n"
-             "with c.patch(size_asserts=False):\n"
-             "    assert package.fingerprint(cfg) is None\n"
-             "assert package.fingerprint(cfg) == fp\n"
-             "c.max_fusion_size = 7\n"
-             "assert package.fingerprint(cfg) is None\n")
+    check = (
+        "import sys, torch, compiled_autograd as ca\n"
+        "from compiled_autograd.compile import package\n"
+        "from compiled_autograd.config import Config\n"
+        "cfg = Config(backend='inductor')\n"
+        "fp = package.fingerprint(cfg)\n"
+        "import torch._inductor.config as c\n"
+        "assert fp is not None and package.fingerprint(cfg) == fp and package.fingerprint(Config(backend='aot_eager')) is None\n"
+        "with c.patch(size_asserts=False):\n"
+        "    assert package.fingerprint(cfg) is None\n"
+        "assert package.fingerprint(cfg) == fp\n"
+        "c.max_fusion_size = 7\n"
+        "assert package.fingerprint(cfg) is None\n"
+    )
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
 
@@ -579,11 +602,18 @@ def test_two_processes_on_one_machine_share_one_compile(tmp_path):
     import os
     import subprocess
 
-    env = dict(os.environ, COMPILED_AUTOGRAD_GRAPH_DIR=str(tmp_path / "graphs"), COMPILED_AUTOGRAD_DISK_CACHE="1",
-               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), COMPILED_AUTOGRAD_CHILD_NICE="0",
-               COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="0")
-    procs = [subprocess.Popen([sys.executable, "-c", _SHARES_A_COMPILE], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+    env = dict(
+        os.environ,
+        COMPILED_AUTOGRAD_GRAPH_DIR=str(tmp_path / "graphs"),
+        COMPILED_AUTOGRAD_DISK_CACHE="1",
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+        COMPILED_AUTOGRAD_CHILD_NICE="0",
+        COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="0",
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _SHARES_A_COMPILE], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=900) for p in procs]
     counts = []
     for p, (out, err) in zip(procs, outs):
@@ -626,12 +656,23 @@ def test_ranks_on_separate_caches_share_one_compile_through_the_process_group(tm
         port = s.getsockname()[1]
     procs = []
     for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   COMPILED_AUTOGRAD_GRAPH_DIR=str(tmp_path / f"graphs{rank}"), COMPILED_AUTOGRAD_DISK_CACHE="1",
-                   TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor{rank}"), COMPILED_AUTOGRAD_CHILD_NICE="0",
-                   COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="0")
-        procs.append(subprocess.Popen([sys.executable, "-c", _RANK_SHARES_A_COMPILE], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            COMPILED_AUTOGRAD_GRAPH_DIR=str(tmp_path / f"graphs{rank}"),
+            COMPILED_AUTOGRAD_DISK_CACHE="1",
+            TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor{rank}"),
+            COMPILED_AUTOGRAD_CHILD_NICE="0",
+            COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="0",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _RANK_SHARES_A_COMPILE], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
     counts = []
     for p in procs:
         out, err = p.communicate(timeout=900)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tools import conformance as conf
+
 # first N sample inputs per op/module and dtype (the cheapest way to touch every entry)
 SAMPLES = 2
 
@@ -79,8 +80,7 @@ def test_conformance_disk_cache_sample():
     # every 4th op, two samples each (samples of one op differ in sizes and constants): each
     # case also runs from a graph loaded from the on-disk cache (in a temporary directory),
     # which must give eager's grads
-    _check(_run(backend="eager", ops=True, modules=False, every=4, modes=("backward",), disk_cache=True),
-           min_cases=100)
+    _check(_run(backend="eager", ops=True, modules=False, every=4, modes=("backward",), disk_cache=True), min_cases=100)
 
 
 @pytest.mark.slow

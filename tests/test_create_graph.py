@@ -20,8 +20,12 @@ def _parity(step, backend, steps=2, captures=1, hits=None, first=1):
     The first `first` values are first-order grads, bitwise eager's; the rest are differentiated
     through a create_graph graph, held to NOTE [The contract of a second-order gradient]."""
     results = compare(
-        lambda seed, scope: step(seed, scope, contextlib.nullcontext()), backend, steps,
-        captures=captures, hits=steps * (1 if hits is None else hits) - captures, requires_grad=True,
+        lambda seed, scope: step(seed, scope, contextlib.nullcontext()),
+        backend,
+        steps,
+        captures=captures,
+        hits=steps * (1 if hits is None else hits) - captures,
+        requires_grad=True,
         tol=higher_order_tol,
     )
     for n, (want, got) in enumerate(results):
@@ -31,8 +35,12 @@ def _parity(step, backend, steps=2, captures=1, hits=None, first=1):
 def _critic():
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.GELU(),
-        torch.nn.LayerNorm(16), torch.nn.Linear(16, 1),
+        torch.nn.Linear(8, 16),
+        torch.nn.Tanh(),
+        torch.nn.Linear(16, 16),
+        torch.nn.GELU(),
+        torch.nn.LayerNorm(16),
+        torch.nn.Linear(16, 1),
     )
 
 
@@ -116,8 +124,15 @@ def test_hessian_vector_product_and_third_order_match_eager():
             (dv,) = torch.autograd.grad(third.sum(), v)
         return [g, hv, third, dv]
 
-    results = compare(lambda seed, scope: step(seed, scope, contextlib.nullcontext()), "eager", 2,
-                      captures=4, hits=4, tol=higher_order_tol, requires_grad=True)
+    results = compare(
+        lambda seed, scope: step(seed, scope, contextlib.nullcontext()),
+        "eager",
+        2,
+        captures=4,
+        hits=4,
+        tol=higher_order_tol,
+        requires_grad=True,
+    )
     for want, got in results:
         assert torch.equal(got[0], want[0]), "the first order is bitwise eager's"
 
@@ -167,8 +182,15 @@ def test_custom_function_backward_is_differentiated_as_in_eager():
             (gg,) = torch.autograd.grad(g.sum(), x)
         return [g, gg]
 
-    results = compare(lambda seed, scope: step(seed, scope, contextlib.nullcontext()), "eager", 2,
-                      captures=1, hits=1, tol=higher_order_tol, requires_grad=True)
+    results = compare(
+        lambda seed, scope: step(seed, scope, contextlib.nullcontext()),
+        "eager",
+        2,
+        captures=1,
+        hits=1,
+        tol=higher_order_tol,
+        requires_grad=True,
+    )
     for want, got in results:
         assert torch.equal(got[0], want[0]), "the first order is bitwise eager's"
 
@@ -296,7 +318,7 @@ def test_leaf_hooks_under_create_graph_compile(backend):
         loss = ((x @ w + b).tanh() ** 2).sum()
         with first:
             loss.backward(create_graph=True)
-        penalty = (w.grad ** 2).sum() + (b.grad ** 3).sum()
+        penalty = (w.grad**2).sum() + (b.grad**3).sum()
         gw, gb = w.grad, b.grad
         w.grad = b.grad = None
         with second:
@@ -336,14 +358,23 @@ def test_saved_tensor_hooks_with_create_graph_fall_back_before_running_them():
 def test_inductor_gradient_penalty():
     step = _gradient_penalty_step(_critic(), second_in_scope=True)
     # (tol={}: torch.testing.assert_close's own tolerance)
-    compare(lambda seed, scope: step(seed, scope, None), "inductor", captures=2, hits=2, requires_grad=True, tol={},
-            fullgraph=False, background=False)
+    compare(
+        lambda seed, scope: step(seed, scope, None),
+        "inductor",
+        captures=2,
+        hits=2,
+        requires_grad=True,
+        tol={},
+        fullgraph=False,
+        background=False,
+    )
 
 
 def test_in_place_view_updates_split_where_the_mutation_is_of_a_fresh_temporary():
     """CopySlices (an in-place update of a view) writes into a buffer it made: the split into
     forward and vjp keeps every read of it on the same side of the write, so it is allowed,
     and the second order is eager's (eager and compiled second backward)."""
+
     def step(seed, first, second):
         torch.manual_seed(seed)
         x = torch.randn(4, 3, requires_grad=True)

@@ -35,25 +35,29 @@ def _mlp(d=64, layers=3):
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", INDUCTOR])
 def test_mlp(backend):
     net = _mlp()
-    parity(lambda x: net(x).pow(2).mean(), net.parameters(), lambda s: (torch.randn(16, 64, device=DEV) + s,),
-           backend=backend, **TOL)
+    parity(lambda x: net(x).pow(2).mean(), net.parameters(), lambda s: (torch.randn(16, 64, device=DEV) + s,), backend=backend, **TOL)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
 def test_transformer_layer(backend):
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True).to(DEV)
-    parity(lambda x: layer(x).square().mean(), layer.parameters(), lambda s: (torch.randn(4, 16, 64, device=DEV) * (s + 1),),
-           backend=backend, **TOL)
+    parity(
+        lambda x: layer(x).square().mean(),
+        layer.parameters(),
+        lambda s: (torch.randn(4, 16, 64, device=DEV) * (s + 1),),
+        backend=backend,
+        **TOL,
+    )
 
 
 @pytest.mark.inductor
 def test_cnn_inductor():
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()).to(DEV)
-    parity(lambda x: net(x).mean(), net.parameters(), lambda s: (torch.randn(4, 3, 16, 16, device=DEV) + s,),
-           backend="inductor", **TOL)
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()
+    ).to(DEV)
+    parity(lambda x: net(x).mean(), net.parameters(), lambda s: (torch.randn(4, 3, 16, 16, device=DEV) + s,), backend="inductor", **TOL)
 
 
 @pytest.mark.inductor
@@ -64,8 +68,9 @@ def test_autocast_bf16_inductor():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             return net(x).float().pow(2).mean()
 
-    parity(loss, net.parameters(), lambda s: (torch.randn(16, 64, device=DEV) - s,), backend="inductor",
-           rtol=2e-2, atol=2e-3, background=False)
+    parity(
+        loss, net.parameters(), lambda s: (torch.randn(16, 64, device=DEV) - s,), backend="inductor", rtol=2e-2, atol=2e-3, background=False
+    )
 
 
 @pytest.mark.inductor
@@ -78,8 +83,9 @@ def test_hooks_inductor():
         p.register_hook(lambda g: g.clamp(-1e-2, 1e-2))
         p.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.device.type))
     net[1].register_full_backward_hook(lambda m, gi, go: (gi[0] * 2,))
-    parity(lambda x: net(x).pow(2).mean(), net.parameters(), lambda s: (torch.randn(16, 64, device=DEV) * (s + 1),),
-           backend="inductor", **TOL)
+    parity(
+        lambda x: net(x).pow(2).mean(), net.parameters(), lambda s: (torch.randn(16, 64, device=DEV) * (s + 1),), backend="inductor", **TOL
+    )
     assert seen and set(seen) == {torch.device(DEV).type}
 
 
@@ -128,8 +134,13 @@ def test_forward_on_a_side_stream_runs_in_eager():
     ca.reset()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        parity(lambda x: net(x).pow(2).mean(), net.parameters(), lambda s: (torch.randn(16, 64, device=DEV) * (s + 2),),
-               backend="inductor", **TOL)
+        parity(
+            lambda x: net(x).pow(2).mean(),
+            net.parameters(),
+            lambda s: (torch.randn(16, 64, device=DEV) * (s + 2),),
+            backend="inductor",
+            **TOL,
+        )
     torch.cuda.synchronize()
 
 

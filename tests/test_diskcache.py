@@ -18,8 +18,9 @@ from helpers import assert_grads_equal, parity
 def _run(model, x, **options):
     """One eager and one compiled backward of the model, the disk cache on (helpers.parity);
     the counters are the test's."""
-    parity(lambda: model(x).pow(2).mean(), model.parameters(), lambda step: (), "aot_eager", steps=1, captures=None,
-           disk_cache=True, **options)
+    parity(
+        lambda: model(x).pow(2).mean(), model.parameters(), lambda step: (), "aot_eager", steps=1, captures=None, disk_cache=True, **options
+    )
 
 
 def test_graph_is_loaded_instead_of_traced(tmp_path, monkeypatch):
@@ -81,7 +82,10 @@ def test_second_process_skips_the_trace(tmp_path):
         """
     )
     env = dict(os.environ, COMPILED_AUTOGRAD_GRAPH_DIR=str(tmp_path), COMPILED_AUTOGRAD_DISK_CACHE="1")
-    out = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout.split()[-2:] for _ in range(2)]
+    out = [
+        subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout.split()[-2:]
+        for _ in range(2)
+    ]
     assert out == [["1", "0"], ["0", "1"]]
 
 
@@ -120,7 +124,10 @@ def test_second_process_gets_inductors_code_from_its_cache(tmp_path):
         COMPILED_AUTOGRAD_DISK_CACHE="1",
         TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
     )
-    out = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout.split()[-5:] for _ in range(2)]
+    out = [
+        subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout.split()[-5:]
+        for _ in range(2)
+    ]
     assert out == [["True", "1", "0", "1", "0"], ["True", "0", "1", "1", "1"]], out
 
 
@@ -130,6 +137,7 @@ def test_a_vector_isa_probe_that_loaded_once_is_not_run_again(tmp_path, monkeypa
     from torch._inductor.cpu_vec_isa import VecISA
 
     from compiled_autograd.compile import inductor_patches
+
     monkeypatch.setenv("COMPILED_AUTOGRAD_CACHE_DIR", str(tmp_path / "cache"))
     calls = []
 

@@ -15,6 +15,7 @@ from helpers import INDUCTOR, assert_grads_equal, parity
 def stream(model, shapes, backend="eager", **options):
     """helpers.parity over a stream of input shapes, one step each: every grad equals eager's,
     no fallback; the other counters (returned) are the test's to check."""
+
     def inputs(i):
         torch.manual_seed(i)
         return (torch.randn(*shapes[i]),)
@@ -58,8 +59,14 @@ def test_transformer_batch_and_sequence_two_captures():
 def test_cnn_image_sizes():
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5),
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 5),
     )
     shapes = [(2, 3, 16, 16), (3, 3, 20, 12), (3, 3, 9, 17), (2, 3, 32, 32), (4, 3, 11, 11)]
     s = stream(model, shapes, "eager")
@@ -104,7 +111,7 @@ def test_view_sizes_saved_by_nodes_follow_the_batch():
         def forward(self, x):
             b = x.shape[0]
             h = (x.view(b, 3, 4) * 2).sum(1)  # view + sum(dim)
-            return h.view(b * 4, 1).expand(b * 4, 6) * w[: 4].repeat(b, 1)
+            return h.view(b * 4, 1).expand(b * 4, 6) * w[:4].repeat(b, 1)
 
     s = stream(M(), [(2, 12), (5, 12), (7, 12), (3, 12)], "eager")
     assert (s.captures, s.dynamic_captures) == (2, 1)
@@ -123,8 +130,11 @@ def _graph_symbols(entry, tensors_only=False):
         if n.op != "placeholder":
             continue
         v = n.meta.get("val")
-        vals = [v] if isinstance(v, torch.SymInt) and not tensors_only else (list(v.shape) + list(v.stride()) + [v.storage_offset()]
-                                                        if isinstance(v, torch.Tensor) else [])
+        vals = (
+            [v]
+            if isinstance(v, torch.SymInt) and not tensors_only
+            else (list(v.shape) + list(v.stride()) + [v.storage_offset()] if isinstance(v, torch.Tensor) else [])
+        )
         for x in vals:
             if isinstance(x, torch.SymInt):
                 syms |= x.node.expr.free_symbols

@@ -89,5 +89,6 @@ def test_exit_wait_setting(tmp_path, wait):
 @pytest.mark.parametrize("raw, wait", [("", 10.0), ("2.5", 2.5), ("0", 0.0), ("-1", 0.0), ("inf", None), ("soon", 10.0)])
 def test_exit_wait_values(monkeypatch, raw, wait):
     from compiled_autograd.compile import background
+
     monkeypatch.setenv("COMPILED_AUTOGRAD_EXIT_WAIT", raw)
     assert background._exit_wait() == wait

@@ -83,7 +83,8 @@ def _mlp(d=64, h=256):
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_a_hook_that_returns_another_layout(backend):
     """A hook returning a transposed-layout grad (issue 36 item 5): the graph's first run stops
-    at the hook and goes on in eager's order (NOTE [A call output not as traced]): bitwise eager's, where the copy into the traced layout had summed the
+    at the hook and goes on in eager's order (NOTE [A call output not as traced]): bitwise eager's,
+    where the copy into the traced layout had summed the
     bias grad in another order (2.4e-7 off); then captured again in the layout it returns."""
     m = _mlp()
 
@@ -112,6 +113,7 @@ def test_a_first_run_that_meets_another_layout_goes_on_in_eagers_order(backend, 
     returns another layout sits (a tensor hook, a node's pre or post hook; under grad(inputs=)
     with results captured before and after it), the first backward is eager's bitwise, and
     every hook runs once per backward, those before the point and those after it."""
+
     def step(seed, compiled):
         m = _mlp(16, 32)  # (a new module each time: hooks registered on it go with it)
         calls = []
@@ -237,7 +239,9 @@ def _sparse_job(compiled, backend, source, hooks, steps=3):
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("source", ["function", "opaque function", "embedding", "embedding bag"])
-@pytest.mark.parametrize("hooks", [("tensor hook",), ("post-accumulate hook",), ("tensor hook", "post-accumulate hook"), ("tensor hook", "existing grad")])
+@pytest.mark.parametrize(
+    "hooks", [("tensor hook",), ("post-accumulate hook",), ("tensor hook", "post-accumulate hook"), ("tensor hook", "existing grad")]
+)
 def test_sparse_gradients_with_hooks(backend, source, hooks):
     """Sparse grads (a Function's, opaque or traced; sparse embeddings) through hooks and
     accumulated over steps: never an error, every value and layout eager's. An opaque node's

@@ -293,8 +293,11 @@ def test_a_hook_that_rebinds_a_global_the_backward_reads_raises(what):
                 if step < 2:
                     z.sum().backward()
                     continue
-                with pytest.raises(RuntimeError, match=f"a hook set {'_KERNEL' if what == 'tensor' else '_SCALE'} "
-                                   rf"\(which the backward of {fn.__name__}Backward reads\) before that node ran"):
+                with pytest.raises(
+                    RuntimeError,
+                    match=f"a hook set {'_KERNEL' if what == 'tensor' else '_SCALE'} "
+                    rf"\(which the backward of {fn.__name__}Backward reads\) before that node ran",
+                ):
                     z.sum().backward()
         s = ca.stats()
         assert (s.captures, s.hits) == (1, 2), s
@@ -323,7 +326,13 @@ def test_a_global_tensor_a_trace_cannot_swap_runs_opaquely(fn):
         # (where the node is known opaque before the trace, the first backward learns its
         # output layouts in eager: NOTE [Layouts of call outputs])
         learning = 1 if fn is _GlobalTensorInHelper else 0
-        assert (s.learning_backwards, s.captures, s.hits, s.opaque_nodes, s.eager_fallbacks) == (learning, 1, 2 - learning, 3 - learning, 0), s
+        assert (s.learning_backwards, s.captures, s.hits, s.opaque_nodes, s.eager_fallbacks) == (
+            learning,
+            1,
+            2 - learning,
+            3 - learning,
+            0,
+        ), s
         (reason,) = s.opaque_details
         assert ("_times_kernel" in reason) if fn is _GlobalTensorInHelper else ("changes in place" in reason), reason
     finally:

@@ -122,8 +122,16 @@ def run_program(seed: int, backend: str, mode: str = "backward") -> bool:
     if backend in EXACT_BACKENDS and mode == "create_graph":
         tol = higher_order_tol  # the leaves' grads hold a second order: NOTE [The contract of a second-order gradient]
     results = compare(
-        run, backend, 4, what=f"seed {seed} {mode} step", strides=True, exact=exact, tol=None if exact else tol,
-        eager_fallbacks=None, fullgraph=mode != "create_graph" and not BACKGROUND, background=BACKGROUND,
+        run,
+        backend,
+        4,
+        what=f"seed {seed} {mode} step",
+        strides=True,
+        exact=exact,
+        tol=None if exact else tol,
+        eager_fallbacks=None,
+        fullgraph=mode != "create_graph" and not BACKGROUND,
+        background=BACKGROUND,
     )
     return all(want[0] is None for want, _ in results)
 
@@ -176,8 +184,7 @@ def test_a_boolean_mask_index_in_a_grad_formula_compiles(backend):
         y[x > 0] = y[0, 0] * 2
         return y.pow(2).sum()
 
-    parity(loss, [w], lambda s: (torch.randn(4, 5, generator=torch.Generator().manual_seed(s)),), backend=backend,
-           background=False)
+    parity(loss, [w], lambda s: (torch.randn(4, 5, generator=torch.Generator().manual_seed(s)),), backend=backend, background=False)
 
 
 @pytest.mark.inductor
@@ -196,8 +203,15 @@ def test_a_mutated_buffer_read_after_a_loop_recompute_under_inductor():
         terms = [h, p1, p2, torch.nn.functional.layer_norm(h, (6,)) * p2, h.repeat(1, 2)[:, ::2] * p2]
         return sum((t * (i + 1)).sum() for i, t in enumerate(terms))
 
-    parity(loss, [W, c], lambda s: (torch.randn(5, 6, generator=torch.Generator().manual_seed(s)),),
-           backend="inductor", background=False, rtol=1e-4, atol=1e-4)
+    parity(
+        loss,
+        [W, c],
+        lambda s: (torch.randn(5, 6, generator=torch.Generator().manual_seed(s)),),
+        backend="inductor",
+        background=False,
+        rtol=1e-4,
+        atol=1e-4,
+    )
 
 
 @pytest.mark.slow

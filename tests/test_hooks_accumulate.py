@@ -18,10 +18,12 @@ def test_post_accumulate_grad_hook_runs_an_optimizer_step():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
         for p in model.parameters():
+
             def hook(param):
                 log.append(("acc", param.grad.clone()))
                 with torch.no_grad():
                     param.add_(param.grad, alpha=-0.1)
+
             p.register_post_accumulate_grad_hook(hook)
         torch.manual_seed(step + 10)
         x = torch.randn(3, 4)

@@ -164,8 +164,11 @@ def test_a_wall_broken_is_caught():
     two folders importing each other and a never are each reported."""
     board = Board(
         {
-            "parts": {"Top": {"is": ["src/compiled_autograd/top/"]}, "Low": {"is": ["src/compiled_autograd/low/"]},
-                      "Side": {"is": ["src/compiled_autograd/side.py"]}},
+            "parts": {
+                "Top": {"is": ["src/compiled_autograd/top/"]},
+                "Low": {"is": ["src/compiled_autograd/low/"]},
+                "Side": {"is": ["src/compiled_autograd/side.py"]},
+            },
             "arrows": [["Top", "Low"], ["Top", "Side"]],
             "never": [["Side", "Top", "the side knows no top"]],
         }
@@ -245,6 +248,8 @@ def test_rooms_stay_small():
 
 def test_the_cpp_function_budget_sees_a_long_function():
     body = "\n".join(f"  x += {i};" for i in range(120))
-    source = f"static int long_one(int x) {{\n{body}\n  return x;\n}}\nstruct S {{\n  void short_one() {{\n    if (a) {{ b(); }}\n  }}\n}};\n"
+    source = (
+        f"static int long_one(int x) {{\n{body}\n  return x;\n}}\nstruct S {{\n  void short_one() {{\n    if (a) {{ b(); }}\n  }}\n}};\n"
+    )
     found = dict(_cpp_functions(source))
     assert found["long_one"] > MAX_FUNCTION_LINES and found["short_one"] == 3 and "if" not in found

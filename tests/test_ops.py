@@ -111,7 +111,10 @@ OPS = {
     "avg_pool2d": ([(1, 2, 6, 6)], lambda x: F.avg_pool2d(x, 3, stride=2, padding=1).pow(2).sum()),
     "interpolate_bilinear": ([(1, 2, 4, 4)], lambda x: F.interpolate(x, scale_factor=2, mode="bilinear").pow(2).sum()),
     "pad_reflect": ([(1, 2, 5)], lambda x: F.pad(x, (2, 1), mode="reflect").pow(2).sum()),
-    "sdpa": ([(2, 3, 5, 8), (2, 3, 5, 8), (2, 3, 5, 8)], lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True).pow(2).sum()),
+    "sdpa": (
+        [(2, 3, 5, 8), (2, 3, 5, 8), (2, 3, 5, 8)],
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True).pow(2).sum(),
+    ),
     # the same tensor used as several inputs
     "same_tensor_twice": ([(3, 3)], lambda x: (x @ x + x * x).sum()),
     "output_not_requiring_grad": ([(3, 4)], lambda x: x.pow(2).sum() + (x.detach() * 2).sum()),

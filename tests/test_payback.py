@@ -59,8 +59,10 @@ def test_the_verdict_compares_medians_leaving_out_the_first_compiled_run():
     from compiled_autograd.cache.memory import Payback
 
     compiled = SimpleNamespace(compiled=True)
-    for times, slower in [([0.5, 0.010, 0.010, 0.011, 0.009, 0.010], False),  # (a slow first run: left out)
-                          ([0.010, 0.012, 0.012, 0.013, 0.012, 0.012], True)]:
+    for times, slower in [
+        ([0.5, 0.010, 0.010, 0.011, 0.009, 0.010], False),  # (a slow first run: left out)
+        ([0.010, 0.012, 0.012, 0.013, 0.012, 0.012], True),
+    ]:
         p = Payback()
         assert not p.judging(compiled)  # (no eager baseline yet)
         for t in (0.010, 0.011, 0.010):

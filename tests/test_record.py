@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import compiled_autograd as ca
-from compiled_autograd.capture import record, trace
+from compiled_autograd.capture import record
 from helpers import compare, leaf, parity
 
 
@@ -57,8 +57,13 @@ def _custom_function():
     return [w], lambda x: _Scaled.apply(w * x, 1.5).exp().sum(), lambda step: (torch.randn(3, 4),)
 
 
-MODELS = {"mlp": _mlp, "conv": _conv, "transformer": _transformer, "multi_output_and_hooks": _multi_output_and_hooks,
-          "custom_function": _custom_function}
+MODELS = {
+    "mlp": _mlp,
+    "conv": _conv,
+    "transformer": _transformer,
+    "multi_output_and_hooks": _multi_output_and_hooks,
+    "custom_function": _custom_function,
+}
 
 
 def _structure(gm) -> list:
@@ -212,8 +217,9 @@ class _Sub(torch.Tensor):
     [
         pytest.param(lambda x: [x.add_(x.exp())], "writes into a lifted tensor", id="write_into_input"),
         pytest.param(lambda x: [x[1:].mul_(x[1:].exp())], "writes into a lifted tensor", id="write_into_a_view_of_input"),
-        pytest.param(lambda x: [x.exp().copy_(x), torch.zeros(2).copy_(x[0, :2]), x.t_()], "writes into a lifted tensor",
-                     id="inplace_view_of_input"),
+        pytest.param(
+            lambda x: [x.exp().copy_(x), torch.zeros(2).copy_(x[0, :2]), x.t_()], "writes into a lifted tensor", id="inplace_view_of_input"
+        ),
         pytest.param(lambda x: [x.exp(), torch.rand_like(x)], "nondeterministic_seeded", id="random"),
         pytest.param(lambda x: [x.nonzero()], "dynamic_output_shape", id="data_dependent_shape"),
         pytest.param(lambda x: [x.exp(), x.sum().item()], "data_dependent_output", id="data_dependent_value"),

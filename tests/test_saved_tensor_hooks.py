@@ -194,7 +194,9 @@ def test_a_fallback_after_unpacking_up_front_does_not_unpack_again():
     # when the backward starts, and the fallback's engine would run its popping hook a second
     # time (KeyError); it gets the tensor already unpacked, the other hooks run once as in eager
     for seed in range(3):
-        assert_grads_equal(_popped_once(seed, True, _sparse_w_stash), _popped_once(seed, False, _sparse_w_stash), what=f"seed {seed}", exact=True)
+        assert_grads_equal(
+            _popped_once(seed, True, _sparse_w_stash), _popped_once(seed, False, _sparse_w_stash), what=f"seed {seed}", exact=True
+        )
     s = ca.stats()
     assert (s.learning_backwards, s.eager_fallbacks) == (1, 2), s
 
@@ -348,9 +350,7 @@ def test_a_hook_whose_result_changes_stops_its_graph_once():
         for step in range(6):
             double[0] = step >= 2
             x = torch.randn(4, 3)
-            with torch.autograd.graph.saved_tensors_hooks(
-                lambda t: t.detach().clone(), lambda t: t.double() if double[0] else t
-            ):
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach().clone(), lambda t: t.double() if double[0] else t):
                 loss = (x * w).exp().sin().sum()  # 3 hooked saved tensors
             w.grad = None
             try:

@@ -8,6 +8,8 @@ import torch
 
 import compiled_autograd as ca
 from compiled_autograd import config
+
+
 def _backend_named(name):
     def backend(gm, example_inputs):
         return gm

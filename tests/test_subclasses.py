@@ -27,8 +27,14 @@ class ScaledTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, data, scale, requires_grad=False):
         return torch.Tensor._make_wrapper_subclass(
-            cls, data.shape, strides=data.stride(), storage_offset=data.storage_offset(),
-            dtype=data.dtype, device=data.device, requires_grad=requires_grad)
+            cls,
+            data.shape,
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=data.dtype,
+            device=data.device,
+            requires_grad=requires_grad,
+        )
 
     def __init__(self, data, scale, requires_grad=False):
         self._data = data
@@ -101,6 +107,7 @@ def test_scaled_tensor_compiled(backend, case):
 def test_hook_on_a_subclass_grad(backend):
     """A tensor hook on an activation whose grad is a ScaledTensor: called from the graph with the
     grad rebuilt from its inner tensors, its result flattened back into them (Slot.out_specs)."""
+
     def steps(scope):
         torch.manual_seed(0)
         w = scaled(torch.randn(4, 8), 0.5, requires_grad=True)
@@ -311,8 +318,11 @@ class _Collectives(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def _graph_collectives(gm):
-    return [(n.target._opname, tuple(n.args[0].meta["val"].shape)) for n in gm.graph.nodes
-            if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional" and n.target._opname in _COLLECTIVES]
+    return [
+        (n.target._opname, tuple(n.args[0].meta["val"].shape))
+        for n in gm.graph.nodes
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional" and n.target._opname in _COLLECTIVES
+    ]
 
 
 def _tp_steps(mesh, backend, plan, log=None, opaque=()):
@@ -344,7 +354,13 @@ def _tp_steps(mesh, backend, plan, log=None, opaque=()):
         x, y = torch.randn(2, 8, 16), torch.randint(0, 12, (2, 16 if sp else 8))
         with loss_parallel() if lp else contextlib.nullcontext():
             loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            with ca.enable(backend=backend, fullgraph=True, background=False, opaque=opaque) if backend else _Collectives() if log is not None else ca.disable() as mode:
+            with (
+                ca.enable(backend=backend, fullgraph=True, background=False, opaque=opaque)
+                if backend
+                else _Collectives()
+                if log is not None
+                else ca.disable() as mode
+            ):
                 loss.backward()
         if log is not None and step == 0:
             log += mode.log
@@ -414,6 +430,7 @@ def _stashed_steps(scope, n=4, plain_at=None):
         return len(stash) - 1
 
     for step in range(n):
+
         def unpack(k, plain=step == plain_at):
             t = stash.pop(k)
             return t._data * t._scale if plain and isinstance(t, ScaledTensor) else t
@@ -439,7 +456,11 @@ def test_a_saved_tensor_hook_that_returns_another_type_than_learned_raises():
     """The graph, traced for a ScaledTensor, ran part way when the hook returns a plain tensor:
     it raises (as for any prediction that fails), and the next backward learns again."""
     with ca.enable(backend="aot_eager", fullgraph=True):
-        with pytest.raises(RuntimeError, match=r"unpack hook of a saved tensor returned \(3, 4\)/torch.float32/cpu, where the previous backward of this graph got \(3, 4\)/ScaledTensor"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"unpack hook of a saved tensor returned \(3, 4\)/torch.float32/cpu, "
+            r"where the previous backward of this graph got \(3, 4\)/ScaledTensor",
+        ):
             _stashed_steps(contextlib.nullcontext, n=4, plain_at=3)
     # the same graph again: the next backward learns the other hooks again, and that tensor is no
     # longer predicted: unpacked up front, which the graph does not take for a subclass (in eager, counted)
@@ -456,6 +477,7 @@ def test_a_compiled_region_with_a_subclass_is_inlined(backend):
     """A torch.compile'd function of a ScaledTensor weight: its backward (on inner tensors,
     rewrapped by AOTAutograd's epilogue) is inlined on the fakes, not run opaquely (NOTE
     [Inlining AOTAutograd backwards]); bitwise, one capture, hits."""
+
     def steps(scope):
         torch.manual_seed(0)
         torch._dynamo.reset()
@@ -674,6 +696,7 @@ def test_an_opaque_node_returning_a_subclass(backend):
 def test_subclass_graph_with_new_sizes_is_captured_static():
     """A backward with a ScaledTensor whose batch changes: a static capture of the new sizes, then
     a hit (before: the dynamic capture raised under fullgraph=True)."""
+
     def steps(scope):
         torch.manual_seed(0)
         w = scaled(torch.randn(4, 8), 0.5, requires_grad=True)
@@ -700,8 +723,10 @@ class Unflattened(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        out = func(*tree_map(lambda t: t.elem if isinstance(t, Unflattened) else t, args),
-                   **tree_map(lambda t: t.elem if isinstance(t, Unflattened) else t, kwargs or {}))
+        out = func(
+            *tree_map(lambda t: t.elem if isinstance(t, Unflattened) else t, args),
+            **tree_map(lambda t: t.elem if isinstance(t, Unflattened) else t, kwargs or {}),
+        )
         return tree_map(lambda t: Unflattened(t) if isinstance(t, torch.Tensor) else t, out)
 
 
@@ -767,6 +792,7 @@ class Dequant(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         def unwrap(t):
             return t.elem if isinstance(t, Dequant) else t
+
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
 
@@ -775,6 +801,7 @@ def test_a_subclass_without_tensor_flatten_saved_by_nodes_whose_grads_are_plain(
     """Each built-in node that saves one runs as is (NOTE [Nodes that save what a graph cannot
     hold], native helper), the rest compiled; two nodes save the same one (torch lifts a tensor
     once: both must be found). Before: the whole backward in eager."""
+
     def steps(scope):
         torch.manual_seed(0)
         lin = torch.nn.Linear(4, 4)
@@ -798,6 +825,7 @@ def test_a_subclass_inside_a_subclass_runs_opaque_per_node(case):
     """A ScaledTensor whose data is a ScaledTensor (not flattened yet): as one without
     __tensor_flatten__, its nodes run opaquely and its grads are held by reference, the rest
     compiled (before: the whole backward in eager, "a subclass inside")."""
+
     def steps(scope):
         torch.manual_seed(0)
         W, lin, out = torch.randn(4, 8), torch.nn.Linear(8, 4), []
@@ -824,6 +852,7 @@ def test_node_hooks_given_a_subclass(backend, which):
     the nodes after it opaque, and the weight's AccumulateGrad (in the graph: hooks could see
     `.grad`) gets the value with no other reference, as eager's engine hands it over (with one,
     AccumulateGrad copies it, which this ScaledTensor's dispatch gets wrong). Before: a fallback."""
+
     def steps(scope):
         torch.manual_seed(0)
         w = scaled(torch.randn(4, 8), 0.5, requires_grad=True)

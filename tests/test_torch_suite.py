@@ -358,14 +358,8 @@ def test_trace_run_with_rng_state(backend):
     def run(step, scope):
         bs, n_local_heads, seqlen, head_dim, cache_len = 1, 1, 2, 2, 2
         # upstream's torch.ones inputs; the second step's differ
-        xq_list = [
-            (torch.ones((bs, n_local_heads, seqlen, head_dim)) + step * i).requires_grad_()
-            for i in range(2)
-        ]
-        xk_list = [
-            (torch.ones((bs, n_local_heads, cache_len + seqlen, head_dim)) - step * i / 4).requires_grad_()
-            for i in range(2)
-        ]
+        xq_list = [(torch.ones((bs, n_local_heads, seqlen, head_dim)) + step * i).requires_grad_() for i in range(2)]
+        xk_list = [(torch.ones((bs, n_local_heads, cache_len + seqlen, head_dim)) - step * i / 4).requires_grad_() for i in range(2)]
         torch.manual_seed(123)
         out = compiled_g(xq_list[0], xk_list[0], xq_list[1], xk_list[1])
         with scope:

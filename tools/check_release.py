@@ -33,10 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "torch-versions.md"
 MATRIX_START = "<!-- matrix: tools/check_release.py writes the rows below -->"
 MATRIX_END = "<!-- end of matrix -->"
-HEADER = (
-    "| date | commit | torch | tests passed | failed | skipped | conformance sample |\n"
-    "|---|---|---|---|---|---|---|"
-)
+HEADER = "| date | commit | torch | tests passed | failed | skipped | conformance sample |\n|---|---|---|---|---|---|---|"
 SAMPLE_ARGS = ["--backend", "eager", "--sample", "1", "--every", "4", "--dtypes", "float32", "--quiet"]
 TEST_EXTRAS = ["pytest", "expecttest", "numpy", "ninja"]
 
@@ -52,9 +49,10 @@ def ensure_venv(version: str, venv: Path) -> Path:
     if not python.exists():
         _run([sys.executable, "-m", "venv", venv], check=True)
     have = subprocess.run(
-        [python, "-c", "import torch, compiled_autograd, pytest, expecttest, ninja; "
-                       "print(torch.__version__, compiled_autograd.__file__)"],
-        capture_output=True, text=True, cwd=tempfile.gettempdir(),
+        [python, "-c", "import torch, compiled_autograd, pytest, expecttest, ninja; print(torch.__version__, compiled_autograd.__file__)"],
+        capture_output=True,
+        text=True,
+        cwd=tempfile.gettempdir(),
     )
     if have.returncode == 0:
         torch_version, package = have.stdout.split()
@@ -69,8 +67,9 @@ def ensure_venv(version: str, venv: Path) -> Path:
         )
     # the package, editable, beside that torch (its torch range must admit it: pip installs no other)
     _run(pip + ["-e", f"{ROOT}[test]"], check=True)
-    got = subprocess.run([python, "-c", "import torch; print(torch.__version__)"], capture_output=True,
-                         text=True, check=True).stdout.strip()
+    got = subprocess.run(
+        [python, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     if got.split("+")[0] != version:
         sys.exit(f"{venv} has torch {got} after installing the package, not {version}")
     return python
@@ -79,8 +78,12 @@ def ensure_venv(version: str, venv: Path) -> Path:
 def commit() -> str:
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     # (the matrix itself, which each check writes, does not make the commit dirty)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                            f":!{DOC.relative_to(ROOT)}"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", f":!{DOC.relative_to(ROOT)}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     return (head or "unknown") + ("+dirty" if dirty else "")
 
 
@@ -107,8 +110,9 @@ def parse_pytest(out: str) -> dict:
 
 def run_conformance(python: Path, env: dict) -> tuple[str, bool]:
     with tempfile.TemporaryDirectory() as out:
-        r = _run([python, "-m", "tools.conformance", *SAMPLE_ARGS, "--out", out, "--stem", "sample"], env=env,
-                 capture_output=True, text=True)
+        r = _run(
+            [python, "-m", "tools.conformance", *SAMPLE_ARGS, "--out", out, "--stem", "sample"], env=env, capture_output=True, text=True
+        )
         sys.stdout.write((r.stdout + r.stderr)[-3000:])
         if r.returncode != 0:
             return f"did not finish (exit {r.returncode})", False
@@ -118,10 +122,7 @@ def run_conformance(python: Path, env: dict) -> tuple[str, bool]:
             if m:
                 totals[m.group(1)] = json.loads(m.group(2))
     bugs = sum(t["wrong"] + t["error"] for t in totals.values())
-    parts = [
-        f"{t['run']} {kind}s: {t['compiled_pct']}% compiled, {t['wrong']} wrong, {t['error']} error"
-        for kind, t in totals.items()
-    ]
+    parts = [f"{t['run']} {kind}s: {t['compiled_pct']}% compiled, {t['wrong']} wrong, {t['error']} error" for kind, t in totals.items()]
     return "; ".join(parts) or "no cases", bool(totals) and bugs == 0
 
 

@@ -4,11 +4,12 @@
 # run with anomaly mode (traceback recording).
 import torch, torch.nn as nn
 import compiled_autograd as ca
+
 torch.manual_seed(0)
 net = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
 x = torch.randn(8, 64)
 with ca.enable(backend="inductor"):
-    net(x).sum().backward()          # capture; inductor compiles in a background thread
+    net(x).sum().backward()  # capture; inductor compiles in a background thread
 steps = anomaly_seen = 0
 while ca.stats().compiles_pending:
     anomaly_seen += torch.is_anomaly_enabled()

@@ -241,9 +241,12 @@ def main(a) -> int:
     logs = Path(tempfile.mkdtemp(prefix="ddp_exit_hang-"))
     load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.load)]
     results: dict[str, list[tuple[str, float, str]]] = {m: [] for m in modes}
-    print(f"{a.runs} runs a mode, modes {modes} alternating, load {a.load}, model {a.model}, steps {a.steps}, "
-          f"bucket_cap_mb {a.bucket_cap_mb}, "
-          f"ours from {a.src or ROOT} unless named; logs in {logs}", flush=True)
+    print(
+        f"{a.runs} runs a mode, modes {modes} alternating, load {a.load}, model {a.model}, steps {a.steps}, "
+        f"bucket_cap_mb {a.bucket_cap_mb}, "
+        f"ours from {a.src or ROOT} unless named; logs in {logs}",
+        flush=True,
+    )
     try:
         for i in range(a.runs):
             for mode in modes:

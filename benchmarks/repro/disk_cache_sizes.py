@@ -4,6 +4,7 @@
 #   python disk_repro.py 16; python disk_repro.py 32
 import sys, torch, torch.nn as nn
 import compiled_autograd as ca
+
 d = int(sys.argv[1])
 torch.manual_seed(0)
 net = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.LayerNorm(d))
@@ -13,5 +14,7 @@ for _ in range(3):
     with ca.enable(backend="aot_eager"):
         net(x).pow(2).mean().backward()
 s = ca.stats()
-print(f"d={d}: captures={s.captures} disk_hits={getattr(s, 'disk_hits', '?')} hits={s.hits} "
-      f"eager_fallbacks={s.eager_fallbacks} {dict(s.fallback_reasons)}")
+print(
+    f"d={d}: captures={s.captures} disk_hits={getattr(s, 'disk_hits', '?')} hits={s.hits} "
+    f"eager_fallbacks={s.eager_fallbacks} {dict(s.fallback_reasons)}"
+)

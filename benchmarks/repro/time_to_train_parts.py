@@ -56,8 +56,10 @@ def captures(k: int = 12) -> None:
             (ours if use else eager).append(pc() - t0)
     s = ca.stats()
     e, o = statistics.median(eager[2:]), statistics.median(ours[2:])
-    print(f"captures: {s.captures} ({s.live_records} live); backward, median of {k - 2}: eager {e * 1e3:.1f} ms, "
-          f"a capture {o * 1e3:.1f} ms (+{(o - e) * 1e3:.1f} ms)")
+    print(
+        f"captures: {s.captures} ({s.live_records} live); backward, median of {k - 2}: eager {e * 1e3:.1f} ms, "
+        f"a capture {o * 1e3:.1f} ms (+{(o - e) * 1e3:.1f} ms)"
+    )
 
 
 def walks_and_child(blocks: int = 24, block: int = 8) -> None:
@@ -93,8 +95,10 @@ def walks_and_child(blocks: int = 24, block: int = 8) -> None:
     s = ca.stats()
     print(f"steps while compiling: {s.eager_while_compiling} (hits {s.hits}); child processes {sorted(kids)}")
     for (running, use), times in sorted(cells.items()):
-        print(f"  child {'running' if running else 'stopped'}, {'ours ' if use else 'eager'}: "
-              f"median step {statistics.median(times) * 1e3:.2f} ms ({len(times)} steps)")
+        print(
+            f"  child {'running' if running else 'stopped'}, {'ours ' if use else 'eager'}: "
+            f"median step {statistics.median(times) * 1e3:.2f} ms ({len(times)} steps)"
+        )
 
 
 def main() -> int:

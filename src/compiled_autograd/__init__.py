@@ -1,8 +1,8 @@
 """compiled_autograd: capture, cache and compile PyTorch's backward pass.
 
-    import compiled_autograd as ca
-    with ca.enable(backend="inductor"):
-        loss.backward()
+import compiled_autograd as ca
+with ca.enable(backend="inductor"):
+    loss.backward()
 """
 
 from .api import backward, disable, dump, enable, explain, grad, graphs, reset, stats

@@ -114,9 +114,7 @@ def _exit_scope(owner) -> None:
     while i >= 0 and stack[i][0] is not owner:
         i -= 1
     if i < 0:
-        raise RuntimeError(
-            f"compiled_autograd: leaving a {type(owner).__name__}() scope that was not entered in this thread or task"
-        )
+        raise RuntimeError(f"compiled_autograd: leaving a {type(owner).__name__}() scope that was not entered in this thread or task")
     previous = stack[i][1]
     if i == len(stack) - 1:
         _scopes.set(stack[:i])
@@ -207,9 +205,7 @@ def grad(
 ) -> tuple[Any, ...]:
     """`torch.autograd.grad`, compiled."""
     with enable(backend, fullgraph=fullgraph):
-        return torch.autograd.grad(
-            outputs, inputs, grad_outputs=grad_outputs, retain_graph=retain_graph, allow_unused=allow_unused
-        )
+        return torch.autograd.grad(outputs, inputs, grad_outputs=grad_outputs, retain_graph=retain_graph, allow_unused=allow_unused)
 
 
 def stats() -> Stats:

@@ -36,30 +36,75 @@ class EnvVar(NamedTuple):
 DISK_CACHE = EnvVar("COMPILED_AUTOGRAD_DISK_CACHE", "1", "0: the disk cache is off unless enable(disk_cache=True)")
 GRAPH_DIR = EnvVar("COMPILED_AUTOGRAD_GRAPH_DIR", "", "the disk cache's directory (default: <cache dir>/graphs)")
 GRAPH_DIR_MAX_BYTES = EnvVar("COMPILED_AUTOGRAD_GRAPH_DIR_MAX_BYTES", "", "the disk cache's budget in bytes (default 1 GiB)")
-CACHE_DIR = EnvVar("COMPILED_AUTOGRAD_CACHE_DIR", "", "where the native helper is built and cached (default: $XDG_CACHE_HOME/compiled_autograd)")
+CACHE_DIR = EnvVar(
+    "COMPILED_AUTOGRAD_CACHE_DIR", "", "where the native helper is built and cached (default: $XDG_CACHE_HOME/compiled_autograd)"
+)
 XDG_CACHE_HOME = EnvVar("XDG_CACHE_HOME", "", "the user's cache directory (default: ~/.cache)")
 LOG = EnvVar("COMPILED_AUTOGRAD_LOG", "", "info or debug: the compiled_autograd logger prints to stderr")
 RECORD = EnvVar("COMPILED_AUTOGRAD_RECORD", "1", "0: every capture is traced with make_fx (NOTE [Recording a static trace])")
-RECORD_LIVE = EnvVar("COMPILED_AUTOGRAD_RECORD_LIVE", "1", "0: no capture is recorded on the real tensors (NOTE [Recording on the real tensors])")
+RECORD_LIVE = EnvVar(
+    "COMPILED_AUTOGRAD_RECORD_LIVE", "1", "0: no capture is recorded on the real tensors (NOTE [Recording on the real tensors])"
+)
 LINT = EnvVar("COMPILED_AUTOGRAD_LINT", "0", "1: every captured graph is linted after its passes (slower; the tests set it)")
 UNTESTED_TORCH = EnvVar("COMPILED_AUTOGRAD_UNTESTED_TORCH", "", "1: compile on a torch release the library was not written for")
 COMPILE_NICE = EnvVar("COMPILED_AUTOGRAD_COMPILE_NICE", "5", "how much lower a background compile thread's CPU priority is than training's")
 EXIT_WAIT = EnvVar("COMPILED_AUTOGRAD_EXIT_WAIT", "", "seconds the exit waits for background compiles (default 10; inf: to the end)")
-COMPILE_PROCESS = EnvVar("COMPILED_AUTOGRAD_COMPILE_PROCESS", "1", "0: a background inductor compile runs in a thread only, no child process")
-CHILD_NICE = EnvVar("COMPILED_AUTOGRAD_CHILD_NICE", "idle", "the child compile's priority: idle (SCHED_IDLE) or a niceness "
-                    "(the child reads it itself, before it imports anything)")
-COMPILE_AFTER = EnvVar("COMPILED_AUTOGRAD_COMPILE_AFTER", "20", "seconds of training after which a starved compile gets "
-                       "COMPILE_SHARE of the time (NOTE [The compile's share of a busy machine])")
-COMPILE_SHARE = EnvVar("COMPILED_AUTOGRAD_COMPILE_SHARE", "0.05", "the most of training's time a starved compile gets after "
-                       "COMPILE_AFTER, in any run of steps (at most 0.5)")
-FINISH_AFTER_EXIT = EnvVar("COMPILED_AUTOGRAD_FINISH_AFTER_EXIT", "300", "seconds a child compile still running at exit "
-                           "may go on after it (0: stopped at exit; NOTE [A compile finished after exit])")
-SUBCLASSES = EnvVar("COMPILED_AUTOGRAD_SUBCLASSES", "1", "0: a backward with a traceable wrapper subclass (DTensor, a user's) "
-                   "runs in eager autograd, instead of its subclasses flattened and traced through (docs/design/subclasses.md)")
-REPRO_DIR = EnvVar("COMPILED_AUTOGRAD_REPRO_DIR", "", "where the script of a graph whose backend failed is written (default: "
-                  "<temp dir>/compiled_autograd_repro; NOTE [A graph you can run], compile/repro.py)")
-ENVIRONMENT = (DISK_CACHE, GRAPH_DIR, GRAPH_DIR_MAX_BYTES, CACHE_DIR, XDG_CACHE_HOME, LOG, RECORD, RECORD_LIVE, LINT, UNTESTED_TORCH,
-               COMPILE_NICE, EXIT_WAIT, COMPILE_PROCESS, CHILD_NICE, COMPILE_AFTER, COMPILE_SHARE, FINISH_AFTER_EXIT, SUBCLASSES, REPRO_DIR)
+COMPILE_PROCESS = EnvVar(
+    "COMPILED_AUTOGRAD_COMPILE_PROCESS", "1", "0: a background inductor compile runs in a thread only, no child process"
+)
+CHILD_NICE = EnvVar(
+    "COMPILED_AUTOGRAD_CHILD_NICE",
+    "idle",
+    "the child compile's priority: idle (SCHED_IDLE) or a niceness (the child reads it itself, before it imports anything)",
+)
+COMPILE_AFTER = EnvVar(
+    "COMPILED_AUTOGRAD_COMPILE_AFTER",
+    "20",
+    "seconds of training after which a starved compile gets COMPILE_SHARE of the time (NOTE [The compile's share of a busy machine])",
+)
+COMPILE_SHARE = EnvVar(
+    "COMPILED_AUTOGRAD_COMPILE_SHARE",
+    "0.05",
+    "the most of training's time a starved compile gets after COMPILE_AFTER, in any run of steps (at most 0.5)",
+)
+FINISH_AFTER_EXIT = EnvVar(
+    "COMPILED_AUTOGRAD_FINISH_AFTER_EXIT",
+    "300",
+    "seconds a child compile still running at exit may go on after it (0: stopped at exit; NOTE [A compile finished after exit])",
+)
+SUBCLASSES = EnvVar(
+    "COMPILED_AUTOGRAD_SUBCLASSES",
+    "1",
+    "0: a backward with a traceable wrapper subclass (DTensor, a user's) "
+    "runs in eager autograd, instead of its subclasses flattened and traced through (docs/design/subclasses.md)",
+)
+REPRO_DIR = EnvVar(
+    "COMPILED_AUTOGRAD_REPRO_DIR",
+    "",
+    "where the script of a graph whose backend failed is written (default: "
+    "<temp dir>/compiled_autograd_repro; NOTE [A graph you can run], compile/repro.py)",
+)
+ENVIRONMENT = (
+    DISK_CACHE,
+    GRAPH_DIR,
+    GRAPH_DIR_MAX_BYTES,
+    CACHE_DIR,
+    XDG_CACHE_HOME,
+    LOG,
+    RECORD,
+    RECORD_LIVE,
+    LINT,
+    UNTESTED_TORCH,
+    COMPILE_NICE,
+    EXIT_WAIT,
+    COMPILE_PROCESS,
+    CHILD_NICE,
+    COMPILE_AFTER,
+    COMPILE_SHARE,
+    FINISH_AFTER_EXIT,
+    SUBCLASSES,
+    REPRO_DIR,
+)
 
 
 @dataclass(frozen=True)
@@ -147,9 +192,7 @@ class Config:
         if self.backend != "inductor":
             raise ValueError("compiled_autograd: mode and options are inductor's: they need backend='inductor'")
         if self.mode is not None and options:
-            raise ValueError(
-                "compiled_autograd: either mode or options can be specified, but both can't be specified at the same time"
-            )
+            raise ValueError("compiled_autograd: either mode or options can be specified, but both can't be specified at the same time")
         from torch._inductor import config as inductor_config
 
         if self.mode is not None:
@@ -193,9 +236,7 @@ class Config:
         return getattr(self.backend, "__name__", type(self.backend).__name__)
 
 
-_active: contextvars.ContextVar[Config | None] = contextvars.ContextVar(
-    "compiled_autograd_config", default=None
-)
+_active: contextvars.ContextVar[Config | None] = contextvars.ContextVar("compiled_autograd_config", default=None)
 
 
 def current() -> Config | None:

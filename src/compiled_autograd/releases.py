@@ -96,10 +96,7 @@ def problem(what: str = HELPER, version: str = torch.__version__) -> str | None:
         return f"torch {version}: not a version compiled_autograd can parse"
     if written_for(what, version) or untested_allowed():
         return None
-    return (
-        f"torch {version} is not a release the {what} was written for "
-        f"({describe(WRITTEN_FOR[what])}); set {UNTESTED_ENV}=1 to try it"
-    )
+    return f"torch {version} is not a release the {what} was written for ({describe(WRITTEN_FOR[what])}); set {UNTESTED_ENV}=1 to try it"
 
 
 def in_force(what: str, version: str = torch.__version__) -> bool:

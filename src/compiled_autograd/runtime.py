@@ -77,8 +77,7 @@ def reset_runtime() -> None:
 def _fall_back(cfg: Config, reason: str, eager: Callable[[], Any], user_error: bool = False):
     if cfg.fullgraph and not user_error:
         raise CompiledAutogradError(
-            f"compiled_autograd: cannot compile this backward ({reason}); "
-            "use fullgraph=False to run it in eager autograd instead"
+            f"compiled_autograd: cannot compile this backward ({reason}); use fullgraph=False to run it in eager autograd instead"
         )
     result = eager()  # eager raises the user's error itself where there is one
     with LOCK:
@@ -288,8 +287,17 @@ class _OneBackward:
                 del first
             else:
                 resume = _Resume(entry, self.collected)
-                results = run_graph(entry, self.walk, self.lifted, self.extra, self.collected.hooks, free_on_failure=not self.keep_graph,
-                                    observed=self.observed, keep_graph=self.keep_graph, resume=resume)
+                results = run_graph(
+                    entry,
+                    self.walk,
+                    self.lifted,
+                    self.extra,
+                    self.collected.hooks,
+                    free_on_failure=not self.keep_graph,
+                    observed=self.observed,
+                    keep_graph=self.keep_graph,
+                    resume=resume,
+                )
                 self.recorded = resume.stopped is not None  # (its results are the resumed steps': not the function's)
         except BaseException:
             m.failed(entry)
@@ -318,11 +326,21 @@ class _OneBackward:
             elif releases[0][0] == -1:
                 walk.release_nodes(releases[0][1])
             self.released = True
-            results = run_graph(entry, walk, args, [], collected.hooks, releases, observed=self.observed, keep_graph=self.keep_graph,
-                                resume=resume)
+            results = run_graph(
+                entry, walk, args, [], collected.hooks, releases, observed=self.observed, keep_graph=self.keep_graph, resume=resume
+            )
         else:
-            results = run_graph(entry, walk, self.lifted, self.extra, collected.hooks, free_on_failure=not self.keep_graph,
-                                observed=self.observed, keep_graph=self.keep_graph, resume=resume)
+            results = run_graph(
+                entry,
+                walk,
+                self.lifted,
+                self.extra,
+                collected.hooks,
+                free_on_failure=not self.keep_graph,
+                observed=self.observed,
+                keep_graph=self.keep_graph,
+                resume=resume,
+            )
         if resume.stopped is not None:  # NOTE [A call output not as traced] (capture/resume.py)
             self.recorded = True  # (the resumed steps' results: not the function's, not checked)
         if self.observed and learning.learn_layouts(self.key, self.observed, copied=resume.stopped is None):

@@ -312,6 +312,7 @@ def dense_order(t: torch.Tensor) -> tuple | None:
 
 # -- the plan of a captured graph --------------------------------------------------
 
+
 class Slot(NamedTuple):
     """One opaque call of a graph (NOTE [Opaque calls], calls/__init__.py)."""
 
@@ -374,8 +375,14 @@ class SubclassSpec(NamedTuple):
         names, meta = t.__tensor_flatten__()
         attrs = [(n, getattr(t, n)) for n in names]
         inner = [x for _, x in attrs if isinstance(x, torch.Tensor)]
-        spec = cls(type(t), tuple(n for n, x in attrs if isinstance(x, torch.Tensor)),
-                   tuple((n, x) for n, x in attrs if not isinstance(x, torch.Tensor)), meta, tuple(t.shape), tuple(t.stride()))
+        spec = cls(
+            type(t),
+            tuple(n for n, x in attrs if isinstance(x, torch.Tensor)),
+            tuple((n, x) for n, x in attrs if not isinstance(x, torch.Tensor)),
+            meta,
+            tuple(t.shape),
+            tuple(t.stride()),
+        )
         return spec, inner
 
     def rebuild(self, inner):

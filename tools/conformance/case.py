@@ -16,6 +16,7 @@ import compiled_autograd as ca
 from .report import BUG_STATUSES, CaseResult
 from .tensors import _compare, _diff_outputs, _loss, _make_weights, _perturb, _second_order, _signature
 
+
 class _Skip(Exception):
     def __init__(self, status: str, reason: str):
         super().__init__(reason)
@@ -305,8 +306,7 @@ def _second_values(once, res, pert, originals, labels, dtype, seed, sig, s0, fir
     second = _stats_delta(s2, s3)
     res.captures, res.hits = _new_graphs(total), total["hits"]
     # a graph that fell back is not cached, so trying again is no recapture
-    res.recaptured = (_new_graphs(first) > 0 and _new_graphs(second) > 0
-                      and not first["fallbacks"] and not second["fallbacks"])
+    res.recaptured = _new_graphs(first) > 0 and _new_graphs(second) > 0 and not first["fallbacks"] and not second["fallbacks"]
     if res.recaptured:
         res.recapture_reason = _recapture_reason()
     if _new_graphs(total) + total["hits"] + total["fallbacks"] == 0 or (

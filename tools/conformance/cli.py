@@ -17,6 +17,7 @@ from .driver import run
 from .markdown import to_markdown
 from .report import Report, from_json, to_json, totals
 
+
 def write(report: Report, out_dir: str, stem: str | None = None) -> tuple[str, str]:
     stem = stem or ("conformance" if report.backend == "eager" else f"conformance_{report.backend}")
     os.makedirs(out_dir, exist_ok=True)
@@ -48,15 +49,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--modes", default="backward,grad_subset")
     p.add_argument("--out", default="docs/conformance", help="directory for STEM.json.gz / STEM.md")
     p.add_argument("--stem", default=None, help="file name stem (default conformance[_BACKEND])")
-    p.add_argument("--disk-cache", action="store_true",
-                   help="also round-trip every case through the on-disk graph cache (in a temporary "
-                        "directory unless COMPILED_AUTOGRAD_GRAPH_DIR is set)")
-    p.add_argument("--empty-samples", action="store_true",
-                   help="run every op sample that holds a tensor with no elements instead of the first N (ops only)")
+    p.add_argument(
+        "--disk-cache",
+        action="store_true",
+        help="also round-trip every case through the on-disk graph cache (in a temporary "
+        "directory unless COMPILED_AUTOGRAD_GRAPH_DIR is set)",
+    )
+    p.add_argument(
+        "--empty-samples",
+        action="store_true",
+        help="run every op sample that holds a tensor with no elements instead of the first N (ops only)",
+    )
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    p.add_argument("--render", default=None, metavar="JSON",
-                   help="only re-render JSON (a stored run) into --out, without running anything")
+    p.add_argument("--render", default=None, metavar="JSON", help="only re-render JSON (a stored run) into --out, without running anything")
     a = p.parse_args(argv)
     if a.render:
         with (gzip.open if a.render.endswith(".gz") else open)(a.render, "rt") as f:

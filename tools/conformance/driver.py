@@ -44,10 +44,20 @@ def run(
     report = Report(
         backend=backend,
         command=command,
-        options=dict(ops=ops, modules=modules, filter=filter, sample=sample, every=every,
-                     dtypes=list(dtypes), module_dtypes=list(module_dtypes or dtypes), modes=list(modes),
-                     disk_cache=disk_cache, empty=empty,
-                     native_build=native._build_name(), core=_core_version()),
+        options=dict(
+            ops=ops,
+            modules=modules,
+            filter=filter,
+            sample=sample,
+            every=every,
+            dtypes=list(dtypes),
+            module_dtypes=list(module_dtypes or dtypes),
+            modes=list(modes),
+            disk_cache=disk_cache,
+            empty=empty,
+            native_build=native._build_name(),
+            core=_core_version(),
+        ),
     )
     tmp = None
     if disk_cache and not os.environ.get("COMPILED_AUTOGRAD_GRAPH_DIR"):
@@ -56,8 +66,23 @@ def run(
         tmp = tempfile.mkdtemp(prefix="ca_conformance_graphs_")
         os.environ["COMPILED_AUTOGRAD_GRAPH_DIR"] = tmp
     try:
-        _run_all(report, backend, ops, modules, filter, sample, every, dtypes, module_dtypes, op_names,
-                 module_names, modes, disk_cache, progress, empty)
+        _run_all(
+            report,
+            backend,
+            ops,
+            modules,
+            filter,
+            sample,
+            every,
+            dtypes,
+            module_dtypes,
+            op_names,
+            module_names,
+            modes,
+            disk_cache,
+            progress,
+            empty,
+        )
     finally:
         if tmp is not None:
             import shutil
@@ -68,8 +93,23 @@ def run(
     return report
 
 
-def _run_all(report, backend, ops, modules, filter, sample, every, dtypes, module_dtypes, op_names,
-             module_names, modes, disk_cache, progress, empty=False) -> None:
+def _run_all(
+    report,
+    backend,
+    ops,
+    modules,
+    filter,
+    sample,
+    every,
+    dtypes,
+    module_dtypes,
+    op_names,
+    module_names,
+    modes,
+    disk_cache,
+    progress,
+    empty=False,
+) -> None:
     op_dt = [DTYPES[d] for d in dtypes]
     mod_dt = [DTYPES[d] for d in (module_dtypes or dtypes)]
     with warnings.catch_warnings():
@@ -78,8 +118,7 @@ def _run_all(report, backend, ops, modules, filter, sample, every, dtypes, modul
             sel = select_ops(filter, every, op_names)
             for k, op in enumerate(sel):
                 t = time.perf_counter()
-                rs = run_op(op, backend=backend, dtypes=op_dt, sample_limit=sample, modes=modes, disk_cache=disk_cache,
-                            empty=empty)
+                rs = run_op(op, backend=backend, dtypes=op_dt, sample_limit=sample, modes=modes, disk_cache=disk_cache, empty=empty)
                 report.cases.extend(rs)
                 if progress:
                     progress(_progress_line("op", k, len(sel), op_full_name(op), rs, time.perf_counter() - t))
@@ -89,8 +128,7 @@ def _run_all(report, backend, ops, modules, filter, sample, every, dtypes, modul
             sel = select_modules(filter, every, module_names)
             for k, info in enumerate(sel):
                 t = time.perf_counter()
-                rs = run_module(info, backend=backend, dtypes=mod_dt, sample_limit=sample, modes=modes,
-                                disk_cache=disk_cache)
+                rs = run_module(info, backend=backend, dtypes=mod_dt, sample_limit=sample, modes=modes, disk_cache=disk_cache)
                 report.cases.extend(rs)
                 if progress:
                     progress(_progress_line("module", k, len(sel), info.name, rs, time.perf_counter() - t))
@@ -107,10 +145,12 @@ def _core_version() -> str:
 
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tools/, as before the package
     try:
-        commit = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no", "--", "."],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        commit = subprocess.run(
+            ["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no", "--", "."], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
         return commit + ("+dirty" if dirty else "")
     except Exception:
         return "unknown"

@@ -63,8 +63,7 @@ class Report:
         return [c for c in self.cases if c.status in BUG_STATUSES]
 
 
-TOTAL_COLUMNS = ("compiled", "compiled_recaptured", "opaque", "fallback", "wrong", "error",
-                 "skipped_eager_error", "skipped_no_grad")
+TOTAL_COLUMNS = ("compiled", "compiled_recaptured", "opaque", "fallback", "wrong", "error", "skipped_eager_error", "skipped_no_grad")
 
 
 def totals(cases: Sequence[CaseResult]) -> dict:
@@ -118,5 +117,11 @@ def from_json(d: dict) -> Report:
         if names is not None:
             c["nodes"] = [names[i] if isinstance(i, int) else i for i in c.get("nodes", [])]
         cases.append(CaseResult(**c))
-    return Report(backend=d["backend"], command=d["command"], cases=cases, seconds=d.get("seconds", 0.0),
-                  torch_version=d.get("torch_version", ""), options=d.get("options", {}))
+    return Report(
+        backend=d["backend"],
+        command=d["command"],
+        cases=cases,
+        seconds=d.get("seconds", 0.0),
+        torch_version=d.get("torch_version", ""),
+        options=d.get("options", {}),
+    )

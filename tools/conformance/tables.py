@@ -106,8 +106,16 @@ def _has_empty_tensor(sample) -> bool:
     return any(t.numel() == 0 for _, t in items)
 
 
-def run_op(op, *, backend: str, dtypes: Sequence[torch.dtype], sample_limit: int | None,
-           modes=("backward", "grad_subset"), disk_cache: bool = False, empty: bool = False) -> list[CaseResult]:
+def run_op(
+    op,
+    *,
+    backend: str,
+    dtypes: Sequence[torch.dtype],
+    sample_limit: int | None,
+    modes=("backward", "grad_subset"),
+    disk_cache: bool = False,
+    empty: bool = False,
+) -> list[CaseResult]:
     """The op's cases: its first `sample_limit` samples; with `empty`, every sample that holds a
     tensor with no elements instead (wherever it stands among the samples)."""
     name = op_full_name(op)
@@ -142,14 +150,21 @@ def run_op(op, *, backend: str, dtypes: Sequence[torch.dtype], sample_limit: int
                         continue  # eager's own double backward is not defined for it
                     seed = _seed_for(name, dname, i, mode)
                     meta = dict(kind="op", name=name, variant=sample.name or "", sample=i)
-                    results.append(run_case(subject, backend=backend, mode=mode, dtype=dtype, seed=seed, meta=meta,
-                                        disk_cache=disk_cache))
+                    results.append(run_case(subject, backend=backend, mode=mode, dtype=dtype, seed=seed, meta=meta, disk_cache=disk_cache))
                 del subject, sample
                 i += 1
         except Exception as e:
             results.append(
-                CaseResult(kind="op", name=name, variant="", mode="-", dtype=dname, sample=-1,
-                           status="skipped_eager_error", reason=f"sample_inputs raised: {_exc_line(e)}")
+                CaseResult(
+                    kind="op",
+                    name=name,
+                    variant="",
+                    mode="-",
+                    dtype=dname,
+                    sample=-1,
+                    status="skipped_eager_error",
+                    reason=f"sample_inputs raised: {_exc_line(e)}",
+                )
             )
     return results
 
@@ -202,8 +217,15 @@ def _has_lazy(m: torch.nn.Module) -> bool:
     return any(is_lazy(p) for p in m.parameters()) or any(is_lazy(b) for b in m.buffers())
 
 
-def run_module(info, *, backend: str, dtypes: Sequence[torch.dtype], sample_limit: int | None,
-               modes=("backward", "grad_subset"), disk_cache: bool = False) -> list[CaseResult]:
+def run_module(
+    info,
+    *,
+    backend: str,
+    dtypes: Sequence[torch.dtype],
+    sample_limit: int | None,
+    modes=("backward", "grad_subset"),
+    disk_cache: bool = False,
+) -> list[CaseResult]:
     name = info.name
     results: list[CaseResult] = []
     for dtype in dtypes:
@@ -215,8 +237,16 @@ def run_module(info, *, backend: str, dtypes: Sequence[torch.dtype], sample_limi
             inputs = info.module_inputs_func(info, device="cpu", dtype=dtype, requires_grad=True, training=True)
         except Exception as e:
             results.append(
-                CaseResult(kind="module", name=name, variant="", mode="-", dtype=dname, sample=-1,
-                           status="skipped_eager_error", reason=f"module_inputs_func raised: {_exc_line(e)}")
+                CaseResult(
+                    kind="module",
+                    name=name,
+                    variant="",
+                    mode="-",
+                    dtype=dname,
+                    sample=-1,
+                    status="skipped_eager_error",
+                    reason=f"module_inputs_func raised: {_exc_line(e)}",
+                )
             )
             continue
         if sample_limit is not None:
@@ -237,14 +267,20 @@ def run_module(info, *, backend: str, dtypes: Sequence[torch.dtype], sample_limi
                             m(*fi.args, **fi.kwargs)
                     subject = ModuleSubject(m, fi)
                 except Exception as e:
-                    results.append(CaseResult(status="skipped_eager_error", mode=mode, dtype=dname,
-                                              reason=f"constructing the module raised: {_exc_line(e)}", **meta))
+                    results.append(
+                        CaseResult(
+                            status="skipped_eager_error",
+                            mode=mode,
+                            dtype=dname,
+                            reason=f"constructing the module raised: {_exc_line(e)}",
+                            **meta,
+                        )
+                    )
                     continue
                 if mode == "grad_subset" and len(subject.targets()) < 2:
                     continue
                 if mode == "create_graph" and not getattr(info, "supports_gradgrad", True):
                     continue
-                results.append(run_case(subject, backend=backend, mode=mode, dtype=dtype, seed=seed, meta=meta,
-                                        disk_cache=disk_cache))
+                results.append(run_case(subject, backend=backend, mode=mode, dtype=dtype, seed=seed, meta=meta, disk_cache=disk_cache))
                 del subject, m
     return results

@@ -34,11 +34,7 @@ def _unique(items: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.
 
 
 def _diff_outputs(outs: Any) -> list[torch.Tensor]:
-    return [
-        t
-        for _, t in _walk(outs, "out")
-        if t.requires_grad and (t.is_floating_point() or t.is_complex())
-    ]
+    return [t for _, t in _walk(outs, "out") if t.requires_grad and (t.is_floating_point() or t.is_complex())]
 
 
 def _make_weights(outs: list[torch.Tensor], seed: int) -> list[tuple[torch.Tensor, ...]]:
@@ -155,19 +151,29 @@ def _compare(got, want, labels, dtype, tol=None, drifts: list | None = None) -> 
     for label, g, w in zip(labels, got, want):
         if w is None and g is None:
             continue
-        if drifts is not None and second_order(label) and g is not None and w is not None and g.shape == w.shape \
-                and g.dtype == w.dtype and g.layout == w.layout:
+        if (
+            drifts is not None
+            and second_order(label)
+            and g is not None
+            and w is not None
+            and g.shape == w.shape
+            and g.dtype == w.dtype
+            and g.layout == w.layout
+        ):
             d = drift_eps(g, w)
             drifts.append(d)
             if d > SECOND_ORDER_EPS:
-                return (f"grad of {label} {tuple(w.shape)}: {d:.3g} eps of its largest eager magnitude off "
-                        f"(the second-order contract: {SECOND_ORDER_EPS:g})"), ""
+                return (
+                    f"grad of {label} {tuple(w.shape)}: {d:.3g} eps of its largest eager magnitude off "
+                    f"(the second-order contract: {SECOND_ORDER_EPS:g})"
+                ), ""
             continue
         if w is None or g is None:
             return f"grad of {label}: eager {'None' if w is None else 'tensor'}, compiled {'None' if g is None else 'tensor'}", ""
         if g.shape != w.shape or g.dtype != w.dtype or g.layout != w.layout:
-            return (f"grad of {label}: shape/dtype/layout {tuple(g.shape)}/{g.dtype}/{g.layout} vs eager "
-                    f"{tuple(w.shape)}/{w.dtype}/{w.layout}"), ""
+            return (
+                f"grad of {label}: shape/dtype/layout {tuple(g.shape)}/{g.dtype}/{g.layout} vs eager {tuple(w.shape)}/{w.dtype}/{w.layout}"
+            ), ""
         strided = g.layout == torch.strided
         if not strided:
             g, w = g.to_dense(), w.to_dense()
@@ -181,8 +187,7 @@ def _compare(got, want, labels, dtype, tol=None, drifts: list | None = None) -> 
             ref = w.abs().max().item() if w.numel() else 0.0
             extra = f", {nan_mismatch} NaN positions differ" if nan_mismatch else ""
             return (
-                f"grad of {label} {tuple(w.shape)}: max abs diff {mad:.3g} (max |eager grad| {ref:.3g}, "
-                f"rtol {rtol:g} atol {atol:g}{extra})"
+                f"grad of {label} {tuple(w.shape)}: max abs diff {mad:.3g} (max |eager grad| {ref:.3g}, rtol {rtol:g} atol {atol:g}{extra})"
             ), ""
         if strided and g.numel() > 1 and _strides(g) != _strides(w):
             strides.append(f"{label}: {g.stride()} vs eager {w.stride()}")

@@ -89,8 +89,7 @@ _PACKAGE_NAME = re.compile(r"[0-9a-f]{40}-[0-9a-f]{16}\.pt2(\.meta)?")  # NOTE [
 def _warn_once(path: Path, why: str) -> None:
     if str(path) not in _warned_dirs:
         _warned_dirs.add(str(path))
-        warnings.warn(f"compiled_autograd: not using the disk cache at {path}: {why}; "
-                      "backward graphs are traced as usual", stacklevel=2)
+        warnings.warn(f"compiled_autograd: not using the disk cache at {path}: {why}; backward graphs are traced as usual", stacklevel=2)
 
 
 def _root() -> Path | None:

@@ -75,7 +75,9 @@ def opaque_outputs_to_learn(cfg, key, collected) -> list:
     if key in layouts.nodes:
         return []
     capture = collected.walk
-    idxs = [i for i, n in enumerate(collected.nodes) if n.execute and (n.opaque or (n.name in cfg.opaque and FAMILIES[n.kind].opaque_by_name))]
+    idxs = [
+        i for i, n in enumerate(collected.nodes) if n.execute and (n.opaque or (n.name in cfg.opaque and FAMILIES[n.kind].opaque_by_name))
+    ]
     idxs += [i for i, info in collected.pynodes.items() if info.opaque_reason is not None and i not in idxs]
     idxs += [i for i in other_path(collected, False) if i not in idxs]  # NOTE [Formulas that take another path when traced]
     if not idxs:

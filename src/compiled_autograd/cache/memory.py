@@ -130,8 +130,10 @@ class Payback:
 
         eager, compiled = statistics.median(self.eager), statistics.median(self.compiled[1:])
         if compiled > self.MARGIN * eager:
-            self.verdict = (f"the compiled graph is slower than eager in this run ({1e3 * compiled:.2f} ms a backward against "
-                            f"eager's {1e3 * eager:.2f} ms): its backwards run in eager (NOTE [A compiled graph slower than eager])")
+            self.verdict = (
+                f"the compiled graph is slower than eager in this run ({1e3 * compiled:.2f} ms a backward against "
+                f"eager's {1e3 * eager:.2f} ms): its backwards run in eager (NOTE [A compiled graph slower than eager])"
+            )
             return True
         self.verdict = ""
         return False

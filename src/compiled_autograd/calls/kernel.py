@@ -98,8 +98,7 @@ def _set_exclude_set(want, current) -> list:
 class replaying:
     """Context of one compiled graph run: where its slots resolve."""
 
-    def __init__(self, capture, slots, hooks=(), steal=None, keep=False, versions=None, ctx=None, releases=None, observed=None,
-                 refs=None):
+    def __init__(self, capture, slots, hooks=(), steal=None, keep=False, versions=None, ctx=None, releases=None, observed=None, refs=None):
         self.task = torch._C._current_graph_task_id()  # in_graph_task's, when calls run
         # hooks: (unpack_hook, packed) per hooked saved tensor, for UNPACK slots;
         # steal: None, or the graph inputs' storages when ACCUMULATE calls may
@@ -117,8 +116,9 @@ class replaying:
         # refs: (slot, output) -> what a call handed on by reference (NOTE [Values passed by
         # reference], nodes/references.py)
         self.refs = {} if refs is None else refs
-        self.frame = ReplayFrame(capture, slots, torch._C._dispatch_tls_local_exclude_set(), hooks, steal, keep, versions, ctx, releases,
-                                 observed, self.refs)
+        self.frame = ReplayFrame(
+            capture, slots, torch._C._dispatch_tls_local_exclude_set(), hooks, steal, keep, versions, ctx, releases, observed, self.refs
+        )
 
         self.failed_at = None  # the slot of the last call started, when the graph raised
 
@@ -158,7 +158,6 @@ def will_engine_execute_node(node):
     return None
 
 
-
 def call(slot: int, args: list[Optional[torch.Tensor]], meta: list[int], flags: int) -> list[torch.Tensor]:
     """One call of a running graph, in the backward call's dispatch state: the op's kernel (the
     dispatcher runs it below autograd; `at_autograd` and `direct` reach it without that)."""
@@ -166,20 +165,9 @@ def call(slot: int, args: list[Optional[torch.Tensor]], meta: list[int], flags: 
     capture, slots, outside, hooks, steal, keep = frame.walk, frame.slots, frame.outside, frame.hooks, frame.steal, frame.keep
     versions, ctx, releases, observed = frame.versions, frame.ctx, frame.releases, frame.observed
     s = slots[slot]
-    kind, node, mask, in_flags, fresh, n_after, shared, n_watch = s.kind, s.node, s.mask, s.in_flags, s.fresh, s.n_after, s.shared, s.n_watch
+    kind, node, mask, in_flags, shared = s.kind, s.node, s.mask, s.in_flags, s.shared
     row = SLOT_KINDS[kind]
-    passed = ()
-    if flags >> PASSES_SHIFT:  # graph inputs read after this call: returned, so read after it
-        n = flags >> PASSES_SHIFT
-        passed, args = args[-n:], args[:-n]
-    values = None
-    if s.n_resume >= 0:  # what the graph holds here, should the call stop it (NOTE [A call output not as traced])
-        values, args = args[len(args) - s.n_resume :], args[: len(args) - s.n_resume]
-    watched = ()
-    if n_watch:  # saved tensors read after this call, checked after it
-        watched, args = args[-n_watch:], args[:-n_watch]
-    if n_after:  # only there to order the call (NOTE [Hooks may change what the graph reads])
-        args = args[:-n_after]
+    args, passed, values, watched = _split_args(s, args, flags)
     last = _replay.last[-1]
     _replay.last[-1] = slot
     if last is None or slots[last].at != slots[slot].at:
@@ -210,16 +198,17 @@ def call(slot: int, args: list[Optional[torch.Tensor]], meta: list[int], flags: 
     undo = _set_exclude_set(outside, inside) if inside != outside else ()
     try:
         if row.accumulates:
-            outs = row.run(capture, node, args, mask, None, hooks,
-                           (HANDED_OVER if handed else None) if s.by_reference else steal if fresh else None)
+            give = (HANDED_OVER if handed else None) if s.by_reference else steal if s.fresh else None
+            outs = row.run(capture, node, args, mask, None, hooks, give)
         else:
             keeps = keep and flags & KEEPS_INPUTS
             # a grad a hook keeps (`seen.append(g)`) must not become `.grad` as it is: eager's
             # AccumulateGrad sees the hook's reference and copies (NOTE [Stealing a fresh grad])
             # (plain tensors only: a subclass or a value held by reference is never a graph buffer to steal)
             counts = [(a, sys.getrefcount(a)) for a in args if is_plain(a)] if steal is not None and not row.ordering_args else ()
-            outs = _run_and_conform(capture, slot, row, node, mask, args, meta, flags, hooks, shared if keeps else None, observed,
-                             values, s.out_specs, (frame.refs, by_ref_out) if by_ref_out else None)
+            refs = (frame.refs, by_ref_out) if by_ref_out else None
+            watch = shared if keeps else None
+            outs = _run_and_conform(capture, slot, row, node, mask, args, meta, flags, hooks, watch, observed, values, s.out_specs, refs)
             for a, n in counts:
                 if sys.getrefcount(a) - sum(o is a for o in outs) > n:
                     steal.add(a)
@@ -244,6 +233,23 @@ def call(slot: int, args: list[Optional[torch.Tensor]], meta: list[int], flags: 
             torch._C._dispatch_tls_set_dispatch_key_excluded(k, excluded)
 
 
+def _split_args(s, args, flags) -> tuple:
+    """A call's own arguments, apart from what rides along behind them: graph inputs passed
+    through the call (read after it), what the graph holds should the call stop it, saved
+    tensors checked after it, and values there only to order it."""
+    passed = ()
+    if flags >> PASSES_SHIFT:  # graph inputs read after this call: returned, so read after it
+        n = flags >> PASSES_SHIFT
+        passed, args = args[-n:], args[:-n]
+    values = None
+    if s.n_resume >= 0:  # what the graph holds here, should the call stop it (NOTE [A call output not as traced])
+        values, args = args[len(args) - s.n_resume :], args[: len(args) - s.n_resume]
+    watched = ()
+    if s.n_watch:  # saved tensors read after this call, checked after it
+        watched, args = args[-s.n_watch :], args[: -s.n_watch]
+    if s.n_after:  # only there to order the call (NOTE [Hooks may change what the graph reads])
+        args = args[: -s.n_after]
+    return args, passed, values, watched
 
 
 def _rebuild(flat, rebuild, in_flags) -> list:
@@ -277,8 +283,10 @@ def _flatten_outputs(row, capture, node, outs, out_specs) -> list:
             names, meta = o.__tensor_flatten__() if type(o) is spec.type else ((), None)
             if type(o) is not spec.type or meta != spec.meta or tuple(o.shape) != spec.size:
                 what = row.what or f"{row.name.replace('_', ' ')} of {capture.node_name(node)}"
-                raise RuntimeError(f"compiled_autograd: {what} returned a {type(o).__name__} ({meta}) where the graph was "
-                                   f"traced with a {spec.type.__name__} ({spec.meta})")
+                raise RuntimeError(
+                    f"compiled_autograd: {what} returned a {type(o).__name__} ({meta}) where the graph was "
+                    f"traced with a {spec.type.__name__} ({spec.meta})"
+                )
             wide += [getattr(o, n) for n in spec.names]
     return wide
 
@@ -290,8 +298,9 @@ def check_hooks_added(capture, kind, node) -> None:
         _hooks_added_error(kind, capture, node)
 
 
-def _run_and_conform(capture, slot, row, node, mask, args, meta, flags, hooks, shared=None, observed=None, values=None, out_specs=(),
-              by_ref=None):
+def _run_and_conform(
+    capture, slot, row, node, mask, args, meta, flags, hooks, shared=None, observed=None, values=None, out_specs=(), by_ref=None
+):
     metas = decode_meta(meta)
     try:
         outs = row.run(capture, node, args, mask, metas, hooks, None)
@@ -326,8 +335,13 @@ def _stop_if_not_as_traced(slot, mask, outs, metas, observed, stop) -> None:
             why = "type"
             if observed is not None:
                 observed[(slot, k)] = REFERENCE
-        elif list(o.shape) == list(m.shape) and o.dtype == m.dtype and o.device == m.device and \
-                not m.has_layout(o.resolve_conj().resolve_neg()) and observed_layout(o) is not None:
+        elif (
+            list(o.shape) == list(m.shape)
+            and o.dtype == m.dtype
+            and o.device == m.device
+            and not m.has_layout(o.resolve_conj().resolve_neg())
+            and observed_layout(o) is not None
+        ):
             # (a layout the next trace can take; one it cannot -- an expanded grad, a hook's
             # `g` with stride 0 -- is copied, here as on every backward; _conform raises for the rest)
             why = why or "layout"
@@ -358,7 +372,8 @@ def _fast_path() -> bool:
     running graph is a create_graph one (NOTE [create_graph with an opaque node], replay/run.py):
     what the call returns then keeps the history its node built."""
     return torch._C._len_torch_dispatch_stack() == 0 and (
-        not torch.is_grad_enabled() or bool(_replay.stack and _replay.stack[-1].walk.grad_mode))
+        not torch.is_grad_enabled() or bool(_replay.stack and _replay.stack[-1].walk.grad_mode)
+    )
 
 
 def at_autograd(slot, args, meta, flags):
@@ -500,8 +515,8 @@ def _conform(kind, capture, node, mask, outs, keep, metas, flags, slot=None, obs
                 observed[(slot, k)] = REFERENCE  # (the next capture holds it by reference)
             raise RuntimeError(
                 f"compiled_autograd: {what} returned {got} where the graph was traced with a tensor of "
-                f"{tuple(m.shape)}/{m.dtype}/{m.device}" + ("" if is_plain(o) else
-                "; this graph cannot stop there and go on in eager's order (NOTE [A call output not as traced])")
+                f"{tuple(m.shape)}/{m.dtype}/{m.device}"
+                + ("" if is_plain(o) else "; this graph cannot stop there and go on in eager's order (NOTE [A call output not as traced])")
             )
         # the graph was traced with a plain tensor: no lazy conjugate or negative bit
         o = o.resolve_conj().resolve_neg()
@@ -524,8 +539,19 @@ def conform_from_native(slot, outs, keep, meta, flags, args, values):
     the same rules, in one place (NOTE [Calls in the helper])."""
     frame = _replay.stack[-1]
     s = frame.slots[slot]
-    return _conform(s.kind, frame.walk, s.node, s.mask, outs, keep, decode_meta(meta), flags, slot, frame.observed,
-                    (args, values) if s.n_resume >= 0 else None)
+    return _conform(
+        s.kind,
+        frame.walk,
+        s.node,
+        s.mask,
+        outs,
+        keep,
+        decode_meta(meta),
+        flags,
+        slot,
+        frame.observed,
+        (args, values) if s.n_resume >= 0 else None,
+    )
 
 
 def _sole_owner(t: torch.Tensor) -> bool:

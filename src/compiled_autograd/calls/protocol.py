@@ -18,9 +18,21 @@ from ..values import OutputMeta
 
 # dtype <-> small int, for the operator schema
 DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-    torch.float8_e4m3fn, torch.float8_e5m2, torch.complex32,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.complex32,
 ]
 DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
 DEVICE_TYPES = ["cpu", "cuda", "mps", "xpu", "meta", "hpu", "privateuseone"]

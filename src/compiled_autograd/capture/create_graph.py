@@ -66,6 +66,7 @@ grads are results too, and AccumulateGrad takes each after the graph, stealing w
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -104,9 +105,7 @@ def split_joint(graph: fx.GraphModule, example_inputs: list, differentiable: tup
     try:
         with torch.no_grad(), mode:
             # (NOTE [A detach stays a gradient cut] in capture/trace.py)
-            gm = make_fx(joint, tracing_mode="real", _allow_non_fake_inputs=False, decomposition_table={})(
-                list(example_inputs), tangents
-            )
+            gm = make_fx(joint, tracing_mode="real", _allow_non_fake_inputs=False, decomposition_table={})(list(example_inputs), tangents)
     except _NotSplit:
         return None
     split = _split(gm, len(differentiable))
@@ -247,8 +246,6 @@ def _split(gm: fx.GraphModule, n_results: int):
     return fw, bw, len(saved)
 
 
-
-
 def leaf_hooks_only(n) -> bool:
     """Whether node row `n` is an AccumulateGrad that the backward runs whose hooks are its leaf's
     tensor hooks and post-accumulate-grad hooks only (NOTE [A leaf's hooks under create_graph])."""
@@ -265,3 +262,23 @@ def late_leaf_hooks(nodes, create_graph: bool, user_backend: bool) -> bool:
         return False
     last = max((i for i, n in enumerate(nodes) if n.execute and not FAMILIES[n.kind].leaf), default=-1)
     return create_graph or all(i > last for i in hooked)
+
+
+def once_differentiable(results, inputs) -> str | None:
+    """The name of an error node in the autograd graph the traced (fake) results
+    were recorded with, if any: eager records the same node (a once_differentiable
+    custom Function's DelayedError, a formula's not_implemented) and raises when a
+    second backward reaches it. The graph ends at the fake inputs (a fake of a
+    non-leaf hangs off an error node of its own, which is not the backward's)."""
+    seen: dict[int, Any] = {id(t.grad_fn): t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    stack = [r.grad_fn for r in results if isinstance(r, torch.Tensor) and r.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen[id(fn)] = fn  # (keeps it alive, so the id stays unique)
+        name = fn.name()
+        if "Error" in name or "NotImplemented" in name:
+            return name
+        stack.extend(f for f, _ in fn.next_functions)
+    return None

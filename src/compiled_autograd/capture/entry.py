@@ -84,22 +84,7 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
         unseen = LEARNED.layouts.unlearned_opaque(key, [o for o in captured.plan.opaque if _untraced_user_function(collected, *o)])
         if unseen:  # NOTE [Nodes made opaque by their trace] (cache/learning.py)
             raise LearnLayouts(unseen)
-    vjp, how = None, None
-    if create_graph:
-        how = "no result requires grad: applied in grad mode, nothing to differentiate"
-    if in_grad_mode:
-        how = "an opaque node: the traced graph runs in grad mode, eager's kernels recording their history"
-    elif create_graph and any(captured.plan.differentiable):
-        try:
-            split = in_graph_task(lambda: split_joint(captured.graph, captured.example_inputs, captured.plan.differentiable))
-        except Exception:  # the second order then reruns the graph: slower, as right
-            log.info("could not split a create_graph graph into forward and vjp", exc_info=True)
-            split = None
-        how = "the second order reruns this graph in grad mode (not split)"
-        if split is not None:
-            captured.graph, vjp, n_saved = split
-            how = (f"{sum(captured.plan.differentiable)} differentiable results; the graph also returns {n_saved} "
-                   f"tensors its vjp graph reads (the second order recomputes nothing)")
+    vjp, how = _second_order(captured, create_graph, in_grad_mode)
     t1 = time.perf_counter()
     names = tuple(n.name for n in collected.nodes)
     is_dynamic = captured.mask is not None and any(captured.mask)
@@ -142,11 +127,21 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
         with LOCK:
             STATS.live_records += 1
     logged = log_capture(
-        dict(reason=reason, nodes=len(names), backend=cfg.backend_label, opaque=[o[1:] for o in captured.plan.opaque],
-             trace_seconds=t1 - t0, compile_seconds=t2 - t1, inputs=len(collected.lifted),
-             dynamic=describe_dynamic(collected, entry.dynamic), guards=entry.dynamic.guard_source if entry.dynamic else None,
-             background=background, create_graph=how, traced=captured.how + (" (its grads were this backward's)" if first is not None else ""),
-             **unpacked_up_front(collected))
+        dict(
+            reason=reason,
+            nodes=len(names),
+            backend=cfg.backend_label,
+            opaque=[o[1:] for o in captured.plan.opaque],
+            trace_seconds=t1 - t0,
+            compile_seconds=t2 - t1,
+            inputs=len(collected.lifted),
+            dynamic=describe_dynamic(collected, entry.dynamic),
+            guards=entry.dynamic.guard_source if entry.dynamic else None,
+            background=background,
+            create_graph=how,
+            traced=captured.how + (" (its grads were this backward's)" if first is not None else ""),
+            **unpacked_up_front(collected),
+        )
     )
     log.info("captured %d nodes (%s): trace %.2fs, compile %.2fs", len(names), reason, t1 - t0, t2 - t1)
     if background and not in_grad_mode:
@@ -159,6 +154,30 @@ def capture_and_compile(cfg: Config, collected, key, mask, reason: str, history=
     return Miss(entry, first)
 
 
+def _second_order(captured, create_graph: bool, in_grad_mode: bool) -> tuple:
+    """(the vjp graph or None, how the second order is had) of a create_graph capture: its
+    graph split into a forward that also returns what the vjp reads, where it can be."""
+    vjp, how = None, None
+    if create_graph:
+        how = "no result requires grad: applied in grad mode, nothing to differentiate"
+    if in_grad_mode:
+        how = "an opaque node: the traced graph runs in grad mode, eager's kernels recording their history"
+    elif create_graph and any(captured.plan.differentiable):
+        try:
+            split = in_graph_task(lambda: split_joint(captured.graph, captured.example_inputs, captured.plan.differentiable))
+        except Exception:  # the second order then reruns the graph: slower, as right
+            log.info("could not split a create_graph graph into forward and vjp", exc_info=True)
+            split = None
+        how = "the second order reruns this graph in grad mode (not split)"
+        if split is not None:
+            captured.graph, vjp, n_saved = split
+            how = (
+                f"{sum(captured.plan.differentiable)} differentiable results; the graph also returns {n_saved} "
+                f"tensors its vjp graph reads (the second order recomputes nothing)"
+            )
+    return vjp, how
+
+
 def _compile_now(cfg: Config, captured, collected, reason: str, what: str, is_dynamic: bool):
     """The backend's compile of the captured graph; where it raises, a script that reproduces it
     is written and named with the error (NOTE [A graph you can run], compile/repro.py)."""
@@ -167,8 +186,9 @@ def _compile_now(cfg: Config, captured, collected, reason: str, what: str, is_dy
         with compile_status(what):
             return backends.compile_graph(cfg.backend, captured.graph, example, dynamic=is_dynamic, patches=cfg.inductor_patches)
     except Exception as e:
-        failed = SimpleNamespace(graph=captured.graph, node_names=tuple(n.name for n in collected.nodes), reason=reason,
-                                 backend=cfg.backend_name, inputs=None)
+        failed = SimpleNamespace(
+            graph=captured.graph, node_names=tuple(n.name for n in collected.nodes), reason=reason, backend=cfg.backend_name, inputs=None
+        )
         path = repro.write_failed(failed, None if is_dynamic else example)
         if path is not None:
             e.add_note(f"compiled_autograd: a script that reproduces it: {path}")

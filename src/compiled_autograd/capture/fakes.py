@@ -81,9 +81,7 @@ def _size_classes(collected: Collected, mask, history) -> dict[str, Any]:
     names += [source.name for source in _in_graph_sources(collected)]
     assert len(names) == len(sizes), (len(names), len(sizes))
     history = [h for h in history if len(h) == len(sizes)]
-    return {
-        name: ((sizes[p],) + tuple(h[p] for h in history) if mask[p] else None) for p, name in enumerate(names)
-    }
+    return {name: ((sizes[p],) + tuple(h[p] for h in history) if mask[p] else None) for p, name in enumerate(names)}
 
 
 def _aot_sources(collected: Collected) -> list:

@@ -38,7 +38,12 @@ def lint(gm: torch.fx.GraphModule, slots) -> None:
         if not 0 <= c.slot < len(slots):
             _fail(gm, n, f"slot {c.slot} is not one of the plan's {len(slots)}", "each call's slot indexes Plan.slots")
         if c.slot in seen:
-            _fail(gm, n, f"slot {c.slot} is called again (first by {seen[c.slot].name})", "a pass that copies a call must give the copy its own slot")
+            _fail(
+                gm,
+                n,
+                f"slot {c.slot} is called again (first by {seen[c.slot].name})",
+                "a pass that copies a call must give the copy its own slot",
+            )
         seen[c.slot] = n
         _lint_call(gm, n, c, slots[c.slot])
     missing = [i for i in range(len(slots)) if i not in seen]
@@ -49,7 +54,9 @@ def lint(gm: torch.fx.GraphModule, slots) -> None:
 def _lint_call(gm, n, c: CallArgs, slot) -> None:
     row = SLOT_KINDS.get(slot.kind)
     if row is None:
-        _fail(gm, n, f"slot kind {slot.kind!r} is no family's (nodes/__init__.py SLOT_KINDS)", "register the kind in its family's SLOT_KINDS")
+        _fail(
+            gm, n, f"slot kind {slot.kind!r} is no family's (nodes/__init__.py SLOT_KINDS)", "register the kind in its family's SLOT_KINDS"
+        )
     if slot.fresh and not row.accumulates:
         _fail(gm, n, f"a {slot.kind} call is marked fresh", "only a call that hands its grad to AccumulateGrad may be (Plan.steals)")
     if not c.flags & DIRECT:
@@ -57,14 +64,23 @@ def _lint_call(gm, n, c: CallArgs, slot) -> None:
     n_passed = c.flags >> PASSES_SHIFT
     own = len(c.args) - slot.in_flags - slot.n_after - slot.n_watch - max(slot.n_resume, 0) - n_passed
     if own < 0:
-        _fail(gm, n, f"{len(c.args)} arguments, fewer than its slot's in_flags {int(slot.in_flags)} + n_after {slot.n_after} "
-                     f"+ n_watch {slot.n_watch} + n_resume {max(slot.n_resume, 0)} + passed {n_passed}",
-              "a pass that appends arguments must count them in the slot")
+        _fail(
+            gm,
+            n,
+            f"{len(c.args)} arguments, fewer than its slot's in_flags {int(slot.in_flags)} + n_after {slot.n_after} "
+            f"+ n_watch {slot.n_watch} + n_resume {max(slot.n_resume, 0)} + passed {n_passed}",
+            "a pass that appends arguments must count them in the slot",
+        )
     if slot.in_flags:
         flag = c.args[own]
         val = flag.meta.get("val") if isinstance(flag, torch.fx.Node) else None
         if not isinstance(val, torch.Tensor) or val.dtype != torch.bool or val.numel() != own:
-            _fail(gm, n, f"argument {own} is not the definedness of its {own} own arguments", "append ordering, watched and passed arguments after it")
+            _fail(
+                gm,
+                n,
+                f"argument {own} is not the definedness of its {own} own arguments",
+                "append ordering, watched and passed arguments after it",
+            )
     end_watch = len(c.args) - n_passed - max(slot.n_resume, 0)
     watched = c.args[end_watch - slot.n_watch : end_watch]
     for a in watched:
@@ -72,12 +88,22 @@ def _lint_call(gm, n, c: CallArgs, slot) -> None:
             _fail(gm, n, f"watched argument {a} is not a graph input", "n_watch counts the saved tensors appended by watch_saved_reads")
     for a in c.args[len(c.args) - n_passed :]:
         if not isinstance(a, torch.fx.Node):
-            _fail(gm, n, f"passed argument {a!r} is not a graph value", "flags >> PASSES_SHIFT counts the inputs appended by pass_inputs_through_hooks")
+            _fail(
+                gm,
+                n,
+                f"passed argument {a!r} is not a graph value",
+                "flags >> PASSES_SHIFT counts the inputs appended by pass_inputs_through_hooks",
+            )
     val = n.meta.get("val")
     if isinstance(val, (list, tuple)):
         want = c.n_outputs + (1 if c.flags & DEFINEDNESS else 0) + n_passed
         if len(val) != want:
-            _fail(gm, n, f"{len(val)} outputs traced where its meta, flags and passed inputs make {want}", "a pass that passes an input on adds its output to meta['val']")
+            _fail(
+                gm,
+                n,
+                f"{len(val)} outputs traced where its meta, flags and passed inputs make {want}",
+                "a pass that passes an input on adds its output to meta['val']",
+            )
 
 
 def _fail(gm, n, what: str, how: str) -> None:

@@ -118,9 +118,12 @@ class Miss:
         CACHE.evict(cfg.cache_size_limit)
         if not self.stored and self.collected.pynodes:
             for name in note_capture(self.collected):
-                warnings.warn(f"compiled_autograd: {name}'s ctx values (or the Python state its backward reads) "
-                              f"changed in more than {CHURN_LIMIT} captures; it now runs as is, opaquely, instead of "
-                              "a new capture per value (NOTE [Functions whose values change every step])", stacklevel=7)
+                warnings.warn(
+                    f"compiled_autograd: {name}'s ctx values (or the Python state its backward reads) "
+                    f"changed in more than {CHURN_LIMIT} captures; it now runs as is, opaquely, instead of "
+                    "a new capture per value (NOTE [Functions whose values change every step])",
+                    stacklevel=7,
+                )
         if store:
             diskcache.store(self.pkey, entry)
             if self.fingerprint is not None:  # NOTE [A graph known compiled] (cache/disk.py)

@@ -15,7 +15,6 @@ from ..nodes.function import kept_indices
 from .create_graph import _aliases
 
 
-
 class ArrivesTooLate(Fallback):
     """NOTE [Tensors whose data arrives during the backward]: read before any hook ran."""
 
@@ -320,8 +319,7 @@ def mark_shared_args(gm: torch.fx.GraphModule, slots: tuple) -> tuple:
             continue
         args = list(n.args[1])[: len(n.args[1]) - slot.in_flags]
         shared = tuple(
-            i for i, a in enumerate(args)
-            if isinstance(a, torch.fx.Node) and (args.count(a) > 1 or not _read_only_here(a, inputs_ok=True))
+            i for i, a in enumerate(args) if isinstance(a, torch.fx.Node) and (args.count(a) > 1 or not _read_only_here(a, inputs_ok=True))
         )
         slots[n.args[0]] = slot._replace(shared=shared)
     return tuple(slots)

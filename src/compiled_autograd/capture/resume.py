@@ -127,8 +127,17 @@ def points(gm: fx.GraphModule, tracer) -> tuple:
         else:
             made = [i for rf in tracer.result_calls[:n_calls] for i in rf if i >= 0]
             if all(before(out[i]) for i in made) and all(before(n) for _, n in unpacked):
-                kept.append(ResumePoint(slot, at, kind, tuple(named), n_calls, tuple((i, out[i].name) for i in made),
-                                        unpacked=tuple((hid, n.name) for hid, n in unpacked)))
+                kept.append(
+                    ResumePoint(
+                        slot,
+                        at,
+                        kind,
+                        tuple(named),
+                        n_calls,
+                        tuple((i, out[i].name) for i in made),
+                        unpacked=tuple((hid, n.name) for hid, n in unpacked),
+                    )
+                )
     return tuple(kept)
 
 
@@ -145,7 +154,9 @@ def pass_values(gm: fx.GraphModule, slots: tuple, kept: tuple) -> tuple:
     calls = {n.args[0]: n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.compiled_autograd.call.default}
     out = []
     for p in kept:
-        names = [name for *_, name, bits in p.frontier] + [f for *_, bits in p.frontier if bits for f, _ in bits] + [n for _, n in p.results]
+        names = (
+            [name for *_, name, bits in p.frontier] + [f for *_, bits in p.frontier if bits for f, _ in bits] + [n for _, n in p.results]
+        )
         names += [n for _, n in p.unpacked]
         names = tuple(dict.fromkeys(names))
         call = calls[p.slot]
@@ -181,8 +192,7 @@ def needed(gm: fx.GraphModule, slot: int) -> list:
             n_passed = c.flags >> PASSES_SHIFT
             first = c.n_outputs + (1 if c.flags & DEFINEDNESS else 0)
             passed = list(c.args[len(c.args) - n_passed :]) if n_passed else []
-            return [g for g in u.users if g.target is operator.getitem and g.args[1] - first in
-                    [j for j, a in enumerate(passed) if a is m]]
+            return [g for g in u.users if g.target is operator.getitem and g.args[1] - first in [j for j, a in enumerate(passed) if a is m]]
         return [u] if _aliases(u) else []
 
     out, position = [], 0

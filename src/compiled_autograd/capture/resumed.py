@@ -138,8 +138,9 @@ class Resumer(_BackwardTracer):
             self.graph_results[f] = torch.tensor(v is not None)
         return r, f
 
-    def _call(self, kind, node, args, out_metas, flags=False, values=None, keeps=None, outs_like_args=False, by_reference_outs=(),
-              out_specs=()):
+    def _call(
+        self, kind, node, args, out_metas, flags=False, values=None, keeps=None, outs_like_args=False, by_reference_outs=(), out_specs=()
+    ):
         capture = self.walk  # (real tensors: a subclass, or a value held by reference, goes to its call as it is)
         mask = [m is not None for m in out_metas]
         row = SLOT_KINDS[kind]

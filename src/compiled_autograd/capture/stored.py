@@ -20,8 +20,7 @@ from ..replay.validate import expected_outputs
 log = logging.getLogger("compiled_autograd")
 
 
-def entry_from_disk(cfg: Config, collected, key, record, reason: str, warm: bool = False, packaged=None,
-                    slot=None) -> CompiledBackward:
+def entry_from_disk(cfg: Config, collected, key, record, reason: str, warm: bool = False, packaged=None, slot=None) -> CompiledBackward:
     """A graph this user's compiled_autograd stored in an earlier process: no trace; the
     compile comes from its package (`packaged`: NOTE [Compiled graphs loaded without
     inductor], compile/package.py) or the backend's own caches (then packaged at `slot` after
@@ -68,9 +67,19 @@ def entry_from_disk(cfg: Config, collected, key, record, reason: str, warm: bool
         STATS.disk_hits += 1
         STATS.compile_seconds += entry.compile_seconds
     logged = log_capture(
-        dict(reason=entry.reason, nodes=len(entry.node_names), backend=cfg.backend_label, opaque=[o[1:] for o in entry.plan.opaque],
-             trace_seconds=0.0, compile_seconds=entry.compile_seconds, inputs=entry.num_inputs, dynamic=[], guards=None,
-             background=background, **unpacked_up_front(collected))
+        dict(
+            reason=entry.reason,
+            nodes=len(entry.node_names),
+            backend=cfg.backend_label,
+            opaque=[o[1:] for o in entry.plan.opaque],
+            trace_seconds=0.0,
+            compile_seconds=entry.compile_seconds,
+            inputs=entry.num_inputs,
+            dynamic=[],
+            guards=None,
+            background=background,
+            **unpacked_up_front(collected),
+        )
     )
     if background:
         compile_in_background(cfg, key, entry, described_fakes(collected.lifted), what, logged)

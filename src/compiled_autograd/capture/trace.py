@@ -55,7 +55,7 @@ from ..observe.stats import LOCK, STATS
 from .fakes import fake_inputs
 from .record import Recorder, record
 from ..nodes.grads import Value, defined, sum_grads, union_bits
-from .create_graph import late_leaf_hooks
+from .create_graph import late_leaf_hooks, once_differentiable
 from . import resume, subclass_calls
 from .lint import lint
 from .passes import mark_fresh_grads, mark_shared_args, passable_inputs, releases, reorder_for_calls, version_checked_inputs
@@ -96,7 +96,8 @@ class _BackwardTracer:
         self.refs: dict = {}
         self.by_reference: list = []  # Plan.by_reference: (result index, source) per result that is a token
         self.in_graph_accumulate = collected.grad_on_ctx or any(
-            (opaque.is_opaque(self, i) and opaque.may_read_grads(self, i)) or (n.hooks.any and not self.late) for i, n in enumerate(self.nodes)
+            (opaque.is_opaque(self, i) and opaque.may_read_grads(self, i)) or (n.hooks.any and not self.late)
+            for i, n in enumerate(self.nodes)
         )
 
     # -- graph results -------------------------------------------------------
@@ -155,8 +156,9 @@ class _BackwardTracer:
         return t is not None and id(t) in self.refs
 
     # -- opaque calls --------------------------------------------------------
-    def _call(self, kind, node, args, out_metas, flags=False, values=None, keeps=None, outs_like_args=False, by_reference_outs=(),
-              out_specs=()):
+    def _call(
+        self, kind, node, args, out_metas, flags=False, values=None, keeps=None, outs_like_args=False, by_reference_outs=(), out_specs=()
+    ):
         """One compiled_autograd::call; returns the outputs positionally (None where not predicted).
 
         `values`: the _Values the tensors in `args` come from. Where one may be
@@ -184,7 +186,9 @@ class _BackwardTracer:
                 self.resume_points.append(point)
         metas = [self._layout(slot, k, m) for k, m in enumerate(m for m in out_metas if m is not None)]
         keeps = flags if keeps is None else keeps
-        bits = (protocol.DEFINEDNESS if flags else 0) | (protocol.KEEPS_INPUTS if keeps else 0) | protocol.FREED_NOT_REUSED | protocol.DIRECT
+        bits = (
+            (protocol.DEFINEDNESS if flags else 0) | (protocol.KEEPS_INPUTS if keeps else 0) | protocol.FREED_NOT_REUSED | protocol.DIRECT
+        )
         outs = torch.ops.compiled_autograd.call(slot, list(args), protocol.encode_meta(metas), bits)
         flag = outs[-1] if flags else None
         it = iter(outs)
@@ -379,8 +383,16 @@ def capture_backward(*args, **kwargs) -> Captured:
         return _capture_backward(*args, **kwargs)
 
 
-def _capture_backward(collected: Collected, opaque_names: tuple = (), mask=None, history=(), create_graph=False, layouts=None,
-                      live: bool = False, late: bool = False) -> Captured:
+def _capture_backward(
+    collected: Collected,
+    opaque_names: tuple = (),
+    mask=None,
+    history=(),
+    create_graph=False,
+    layouts=None,
+    live: bool = False,
+    late: bool = False,
+) -> Captured:
     """Trace the whole backward (symbolic where `mask` says; `history`: the
     sizes of earlier backwards of this key); nodes that cannot be traced
     become opaque. With `create_graph`, the formulas run in grad mode, as the
@@ -392,7 +404,15 @@ def _capture_backward(collected: Collected, opaque_names: tuple = (), mask=None,
         {i: "marked opaque" for i, n in enumerate(collected.nodes) if n.name in opaque_names and FAMILIES[n.kind].opaque_by_name}
     )
     recording = config.RECORD.on()  # (NOTE [Recording a static trace]; read when used)
-    live = live and recording and config.RECORD_LIVE.on() and mask is None and not create_graph and not opaque_extra and _all_built_in(collected)
+    live = (
+        live
+        and recording
+        and config.RECORD_LIVE.on()
+        and mask is None
+        and not create_graph
+        and not opaque_extra
+        and _all_built_in(collected)
+    )
     refused: list = []  # why a cheaper way was left: the live record's, the fake record's
     for _ in range(MAX_OPAQUE_RETRIES):
         if live:  # NOTE [Recording on the real tensors] (capture/record.py)
@@ -478,14 +498,19 @@ def _plan(gm, tracer, collected, captured, differentiable, num_results) -> Plan:
     )
 
 
-
-
 def _all_built_in(collected) -> bool:
     """Whether a live record may take this backward: built-in formulas and AccumulateGrad
     only, no hook of any kind, nothing opaque, no tensor whose data a hook brings (NOTE
     [Recording on the real tensors])."""
-    if collected.unpacked or collected.in_graph or collected.pynodes or collected.grad_on_ctx or collected.n_aot or collected.arriving \
-            or collected.wrappers:
+    if (
+        collected.unpacked
+        or collected.in_graph
+        or collected.pynodes
+        or collected.grad_on_ctx
+        or collected.n_aot
+        or collected.arriving
+        or collected.wrappers
+    ):
         return False
     return all(FAMILIES[n.kind].live and not n.opaque and not n.hooks.any for n in collected.nodes)
 
@@ -565,25 +590,3 @@ def _quiet_fake_tensor_errors():
         yield
     finally:
         logger.setLevel(level)
-
-
-def once_differentiable(results, inputs) -> str | None:
-    """The name of an error node in the autograd graph the traced (fake) results
-    were recorded with, if any: eager records the same node (a once_differentiable
-    custom Function's DelayedError, a formula's not_implemented) and raises when a
-    second backward reaches it. The graph ends at the fake inputs (a fake of a
-    non-leaf hangs off an error node of its own, which is not the backward's)."""
-    seen: dict[int, Any] = {id(t.grad_fn): t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
-    stack = [r.grad_fn for r in results if isinstance(r, torch.Tensor) and r.grad_fn is not None]
-    while stack:
-        fn = stack.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen[id(fn)] = fn  # (keeps it alive, so the id stays unique)
-        name = fn.name()
-        if "Error" in name or "NotImplemented" in name:
-            return name
-        stack.extend(f for f, _ in fn.next_functions)
-    return None
-
-

@@ -70,5 +70,3 @@ def may_steal(backend: BackendLike) -> bool:
     """Whether the code `backend` compiles leaves a grad handed to AccumulateGrad alone
     (NOTE [Stealing a fresh grad] in nodes/accumulate.py). A user's backend is unknown."""
     return isinstance(backend, str) and BACKENDS[backend].steals
-
-

@@ -49,7 +49,8 @@ log = logging.getLogger("compiled_autograd")
 # took 8-10% longer than eager's (its peak 1.46x eager's on tests/test_memory.py's MLP). The compile
 # thread runs at a lower CPU priority (COMPILED_AUTOGRAD_COMPILE_NICE, its own niceness on Linux): on a
 # 2-core machine training's kernels take both cores, and a compile at equal priority took
-# a third of them (at niceness 5 the scheduler gives it about a seventh, at 10 a twentieth). Measured here (4-layer MLP D=1024, batch 64, 2 threads, the machine
+# a third of them (at niceness 5 the scheduler gives it about a seventh, at 10 a twentieth).
+# Measured here (4-layer MLP D=1024, batch 64, 2 threads, the machine
 # shared with a test run): eager 360 ms a step; the traced graph while compiling 663 ms
 # (compile 7 s); eager while compiling at equal priority 633 ms (compile 8 s), at
 # niceness 10 404 ms (1.12x eager; the compile then took 65 s, getting only what training
@@ -199,7 +200,9 @@ def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, wh
                     if child.applies(cfg.backend, is_dynamic):  # NOTE [Compiling in a child process]
                         _compile_in_child_once(cfg, graph, example, marker)
                     inputs = example() if callable(example) else example
-                    fn = backends.compile_graph(cfg.backend, boxed.plain_module(graph), inputs, dynamic=is_dynamic, patches=cfg.inductor_patches)
+                    fn = backends.compile_graph(
+                        cfg.backend, boxed.plain_module(graph), inputs, dynamic=is_dynamic, patches=cfg.inductor_patches
+                    )
             finally:
                 with LOCK:
                     _compiling.discard(me)
@@ -226,8 +229,12 @@ def compile_in_background(cfg: Config, key, entry: CompiledBackward, example, wh
             if not exiting():
                 from . import repro  # NOTE [A graph you can run]
 
-                log.warning("background compile failed, the traced graph stays in use: %s (a script that reproduces it: %s)", e,
-                            repro.write_failed(entry), exc_info=True)
+                log.warning(
+                    "background compile failed, the traced graph stays in use: %s (a script that reproduces it: %s)",
+                    e,
+                    repro.write_failed(entry),
+                    exc_info=True,
+                )
             else:  # torch's executors refuse work, its modules are torn down under the compile
                 log.debug("background compile ended by the interpreter's exit: %s", e)
         finally:
@@ -400,12 +407,16 @@ def report() -> list:
     with LOCK:
         packages = len(_to_package)
     if packages:
-        out.append(f"compiled graphs to package after exit: {packages} (NOTE [Compiled graphs loaded without inductor]: a "
-                   f"child makes them for the next process, for up to {child.finish_after_exit():.0f} s; "
-                   "COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0: not made)")
+        out.append(
+            f"compiled graphs to package after exit: {packages} (NOTE [Compiled graphs loaded without inductor]: a "
+            f"child makes them for the next process, for up to {child.finish_after_exit():.0f} s; "
+            "COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0: not made)"
+        )
     if child.left_after_exit:
-        out.append(f"compiles left to finish after exit: {len(child.left_after_exit)} (for up to "
-                   f"{child.finish_after_exit():.0f} s; COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0: stopped at exit)")
+        out.append(
+            f"compiles left to finish after exit: {len(child.left_after_exit)} (for up to "
+            f"{child.finish_after_exit():.0f} s; COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0: stopped at exit)"
+        )
     return out
 
 

@@ -147,6 +147,5 @@ def static_fakes(values):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-
     mode = FakeTensorMode(shape_env=ShapeEnv())
     return mode, [mode.from_tensor(fakeable(t), static_shapes=True) if isinstance(t, torch.Tensor) else t for t in values]

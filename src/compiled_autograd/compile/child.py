@@ -379,6 +379,8 @@ def _unlink(path: str) -> None:
 def finish_after_exit() -> float:
     """COMPILED_AUTOGRAD_FINISH_AFTER_EXIT, read when used."""
     return float(config.FINISH_AFTER_EXIT.read())
+
+
 left_after_exit: list = []  # pids of the children left to finish (explain())
 
 
@@ -393,9 +395,12 @@ def _left_to_finish(proc) -> bool:
     if finish_after_exit() <= 0 or not exiting() or proc.poll() is not None:
         return False
     left_after_exit.append(proc.pid)
-    log.info("a background compile goes on in process %d for up to %.0f s after this one exits, so that the next "
-             "process finds it in inductor's caches (COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0: stop it at exit)",
-             proc.pid, finish_after_exit())
+    log.info(
+        "a background compile goes on in process %d for up to %.0f s after this one exits, so that the next "
+        "process finds it in inductor's caches (COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0: stop it at exit)",
+        proc.pid,
+        finish_after_exit(),
+    )
     return True
 
 
@@ -431,24 +436,31 @@ def package_after_exit(jobs: list):
     (package.Job), in its own process group, left to finish after this process; the child's
     Popen, or None."""
     try:
-        payload = pickle.dumps({
-            "packages": [job._replace(graph=_encode_graph(job.graph)) for job in jobs],
-            "configs": _configs(),
-            "threads": torch.get_num_threads(),
-        })
+        payload = pickle.dumps(
+            {
+                "packages": [job._replace(graph=_encode_graph(job.graph)) for job in jobs],
+                "configs": _configs(),
+                "threads": torch.get_num_threads(),
+            }
+        )
         fd, path = tempfile.mkstemp(prefix="compiled_autograd_graph_", suffix=".pkl")
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
         group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
-        proc = subprocess.Popen(_child_command(path), env=_child_env(), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **group)
+        proc = subprocess.Popen(
+            _child_command(path), env=_child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **group
+        )
     except Exception as e:  # (nothing is lost but the next process's speed)
         log.debug("no package made after exit: %s", e)
         return None
     left_after_exit.append(proc.pid)
-    log.info("%d compiled graph(s) packaged in process %d after this one exits, for up to %.0f s, so that the next "
-             "process loads them without inductor (COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0: not made)",
-             len(jobs), proc.pid, finish_after_exit())
+    log.info(
+        "%d compiled graph(s) packaged in process %d after this one exits, for up to %.0f s, so that the next "
+        "process loads them without inductor (COMPILED_AUTOGRAD_FINISH_AFTER_EXIT=0: not made)",
+        len(jobs),
+        proc.pid,
+        finish_after_exit(),
+    )
     return proc
 
 

@@ -32,9 +32,11 @@ def compile_inductor(gm, example_inputs, dynamic: bool, patches: dict | None):
     # it. The op it wraps is ours, its lowering keyed by our code (_cache_tag): marked cacheable,
     # keyed by that code's digest.
     cacheable = {**inductor_config.unsafe_marked_cacheable_functions, "torch.ops.higher_order.with_effects": _code_digest()}
-    with inductor_config.patch({"size_asserts": False, "unsafe_marked_cacheable_functions": cacheable, **isa, **(patches or {})}), (
-        torch_patches.scoped(torch_patches.DYNAMIC_INDUCTOR) if dynamic else contextlib.nullcontext()
-    ), _cache_tag(dynamic) as tagged:
+    with (
+        inductor_config.patch({"size_asserts": False, "unsafe_marked_cacheable_functions": cacheable, **isa, **(patches or {})}),
+        torch_patches.scoped(torch_patches.DYNAMIC_INDUCTOR) if dynamic else contextlib.nullcontext(),
+        _cache_tag(dynamic) as tagged,
+    ):
         # NOTE [Inductor's FX graph cache for our graphs]
         inductor_patches.compiling_ours.active = True
         try:

@@ -116,8 +116,8 @@ def _patch_codegen_free() -> None:
     PythonWrapperCodegen.codegen_free = codegen_free
 
 
-
 compiling_ours = threading.local()  # .active: this thread is compiling one of our graphs with inductor
+
 
 def _patch_mutation_renames() -> None:
     """NOTE [Mutation renames after a loop recompute]
@@ -257,7 +257,6 @@ def _drop_range_identities(sizevars, expr, var_ranges, sympy, FloorDiv, ModularI
     if expr.has(FloorDiv):
         expr = expr.replace(FloorDiv(w("base"), w("divisor")), visit_div)
     return expr
-
 
 
 # -- engine queries -------------------------------------------------------------------------

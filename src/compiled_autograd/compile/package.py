@@ -64,9 +64,19 @@ def fingerprint(cfg) -> str | None:
     # (not inductor's cache directory: a package does not depend on it, and importing inductor sets it)
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) and k != "TORCHINDUCTOR_CACHE_DIR")
     # (and the process state inductor's own cache keys read: matmul precision, mkldnn, determinism)
-    key = (cfg.backend_key, cfg.inductor_patches, torch.__version__, torch.get_num_threads(), platform.machine(),
-           _cpu_flags(), torch.backends.cpu.get_cpu_capability(), env, torch.get_float32_matmul_precision(),
-           torch.backends.mkldnn.enabled, torch.are_deterministic_algorithms_enabled())
+    key = (
+        cfg.backend_key,
+        cfg.inductor_patches,
+        torch.__version__,
+        torch.get_num_threads(),
+        platform.machine(),
+        _cpu_flags(),
+        torch.backends.cpu.get_cpu_capability(),
+        env,
+        torch.get_float32_matmul_precision(),
+        torch.backends.mkldnn.enabled,
+        torch.are_deterministic_algorithms_enabled(),
+    )
     return hashlib.sha256(repr(key).encode()).hexdigest()
 
 
@@ -89,8 +99,10 @@ def _configs_at_defaults() -> bool:
             if value is unset:
                 continue
             # (a `config.patch` leaves the value it restored set: the default is still the default)
-            default = next((v for v in (getattr(entry, "env_value_force", unset), getattr(entry, "env_value_default", unset))
-                            if v is not unset), getattr(entry, "default", unset))
+            default = next(
+                (v for v in (getattr(entry, "env_value_force", unset), getattr(entry, "env_value_default", unset)) if v is not unset),
+                getattr(entry, "default", unset),
+            )
             try:
                 if not (type(value) is type(default) and value == default):
                     return False
@@ -223,8 +235,9 @@ class Packaged:
             self.checked = True
             args.clear()
             return outs
-        log.warning("the compiled package %s returned outputs other than its graph's: it is dropped, and the "
-                    "graph runs as traced", self.path)
+        log.warning(
+            "the compiled package %s returned outputs other than its graph's: it is dropped, and the graph runs as traced", self.path
+        )
         for p in (self.path, self.path + ".meta"):
             try:
                 os.unlink(p)

@@ -124,8 +124,7 @@ def decode_graph(encoded: dict) -> torch.fx.GraphModule:
     env: dict = {}
 
     def look(a):
-        return pytree.tree_map(lambda x: env[x.name] if isinstance(x, _NodeRef) else x, a,
-                               is_leaf=lambda x: isinstance(x, _NodeRef))
+        return pytree.tree_map(lambda x: env[x.name] if isinstance(x, _NodeRef) else x, a, is_leaf=lambda x: isinstance(x, _NodeRef))
 
     for op, name, target, args, kwargs, type_ in encoded["nodes"]:
         target = _decode_target(target) if op == "call_function" else target

@@ -31,7 +31,7 @@ from ..calls.protocol import DEFINEDNESS, DEVICE_TYPES, DTYPES, PASSES_SHIFT
 
 log = logging.getLogger("compiled_autograd")
 
-_STUB = '''
+_STUB = """
 # compiled_autograd::call runs a hook, an opaque node or AccumulateGrad of the live backward;
 # outside one, each call returns zeros shaped as the graph was traced with (NOTE [A graph you
 # can run] in compiled_autograd/compile/repro.py): what this file reproduces is the graph's own
@@ -74,7 +74,7 @@ except (AttributeError, RuntimeError):
         torch.library._register_effectful_op("compiled_autograd::call", EffectType.ORDERED)
     except Exception:  # (an older torch: kept by has_side_effect alone)
         pass
-'''
+"""
 
 _MAIN = '''
 
@@ -201,14 +201,24 @@ def write(entry, file: str, inputs=None, backend: str | None = None) -> str:
     kwargs = {"save_dir": real_dir} if "save_dir" in inspect.signature(generate_compiler_repro_string).parameters else {}
     body = generate_compiler_repro_string(gm, args, **kwargs)
     has_calls = any(n.op == "call_function" and str(n.target) == "compiled_autograd.call.default" for n in gm.graph.nodes)
-    stub = _STUB.format(dtypes=", ".join(f"torch.{str(d).split('.')[-1]}" for d in DTYPES), devices=DEVICE_TYPES,
-                        definedness=DEFINEDNESS, passes_shift=PASSES_SHIFT) if has_calls else ""
+    stub = (
+        _STUB.format(
+            dtypes=", ".join(f"torch.{str(d).split('.')[-1]}" for d in DTYPES),
+            devices=DEVICE_TYPES,
+            definedness=DEFINEDNESS,
+            passes_shift=PASSES_SHIFT,
+        )
+        if has_calls
+        else ""
+    )
     name = backend or (entry.backend if entry.backend in ("eager", "aot_eager", "inductor") else "aot_eager")
-    head = (f'"""compiled_autograd: a backward graph of {len(entry.node_names)} autograd nodes, captured for backend '
-            f"{entry.backend!r} ({entry.reason}).\n\n"
-            f"Run: python {os.path.basename(file)} [--backend eager|aot_eager|inductor|module:function] [--real]\n"
-            'It compares the backend\'s run of the graph with the eager run of the same graph (exit status 1 where they differ)."""\n'
-            "import torch\n")
+    head = (
+        f'"""compiled_autograd: a backward graph of {len(entry.node_names)} autograd nodes, captured for backend '
+        f"{entry.backend!r} ({entry.reason}).\n\n"
+        f"Run: python {os.path.basename(file)} [--backend eager|aot_eager|inductor|module:function] [--real]\n"
+        'It compares the backend\'s run of the graph with the eager run of the same graph (exit status 1 where they differ)."""\n'
+        "import torch\n"
+    )
     text = head + stub + body + f"\nREAL_INPUTS = {real_dir!r}\n" + _MAIN.format(backend=name)
     os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
     with open(file, "w") as f:

@@ -167,8 +167,12 @@ class Share:
         self.window, self.own = (now, cpu), mine
         busy = training > _cores() - 0.75  # (training's own threads take every core: none is idle for the child)
         if rate < FREE_RATE or busy:
-            log.info("background compile beside busy training (%.0f%% of a CPU at SCHED_IDLE, training %.1f CPUs): its time "
-                     "is now given between steps", 100 * rate, training)
+            log.info(
+                "background compile beside busy training (%.0f%% of a CPU at SCHED_IDLE, training %.1f CPUs): its time "
+                "is now given between steps",
+                100 * rate,
+                training,
+            )
             self.sliced = True
             self._stop()
 
@@ -235,8 +239,10 @@ def current() -> Share | None:
 
 def advice() -> str:
     """What a user can do about a compile that lands late."""
-    return (f"sooner: COMPILED_AUTOGRAD_COMPILE_SHARE={share():g} of the time after COMPILED_AUTOGRAD_COMPILE_AFTER="
-            f"{after():g} s of training (raise it, or lower the wait); ca.synchronize() waits; an idle core compiles it free")
+    return (
+        f"sooner: COMPILED_AUTOGRAD_COMPILE_SHARE={share():g} of the time after COMPILED_AUTOGRAD_COMPILE_AFTER="
+        f"{after():g} s of training (raise it, or lower the wait); ca.synchronize() waits; an idle core compiles it free"
+    )
 
 
 def status() -> str:

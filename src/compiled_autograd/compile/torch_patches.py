@@ -176,8 +176,6 @@ def _serialize_fx_traces() -> None:
     Tracer.trace = trace
 
 
-
-
 _background = threading.local()  # .active: this thread is one of our background compiles
 
 
@@ -402,4 +400,3 @@ def scoped(when: str = DYNAMIC_INDUCTOR):
             except (LayoutDiffers, AttributeError, ImportError, TypeError) as e:
                 log.warning("%s; left out (it is only for speed)", _differs(patch, e))
         yield
-

@@ -47,13 +47,9 @@ log = logging.getLogger("compiled_autograd")
 _HERE = Path(__file__).parent
 # every file the helper is built from, by stage (module.cpp's overview), all of which name the
 # build (and the disk cache's version); helper.cpp, which includes the .cpp files, is compiled
-SOURCES = tuple(
-    _HERE / name
-    for name in ("values.h", "capture.h", "collect.cpp", "trace.cpp", "calls.cpp", "module.cpp", "helper.cpp")
-)
+SOURCES = tuple(_HERE / name for name in ("values.h", "capture.h", "collect.cpp", "trace.cpp", "calls.cpp", "module.cpp", "helper.cpp"))
 _module = None
 _error: str | None = None  # why the helper is unavailable in this process (it is not retried)
-
 
 
 class Unavailable(Exception):
@@ -103,8 +99,8 @@ def load():
             _module = _load()
         except Exception as e:  # a failed build or import: its first line says why
             first = (str(e).strip().splitlines() or [""])[0]
-            _error = f"the native helper could not be built or loaded for torch {torch.__version__}: " + (
-                f"{type(e).__name__}: {first}"[:300]
+            _error = (
+                f"the native helper could not be built or loaded for torch {torch.__version__}: " + (f"{type(e).__name__}: {first}"[:300])
             )
             log.warning("%s", _error, exc_info=True)
             raise Unavailable(_error) from e

@@ -85,6 +85,7 @@ _REASONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> wh
 
 def objects_key(node) -> tuple | None:
     """The opaque objects the region saved (DTensor's mesh), keyed by value; None if one cannot be."""
+
     def no_tensor(_):
         raise Unkeyable("a tensor")
 
@@ -193,4 +194,6 @@ def trace_in_graph(t, idx, node, grads, args):
         finally:
             _tracing.active = False
     except Exception as e:
-        raise NeedsOpaque(idx, f"a torch.compile'd region's backward not traceable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+        raise NeedsOpaque(
+            idx, f"a torch.compile'd region's backward not traceable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        )

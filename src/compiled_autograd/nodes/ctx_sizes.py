@@ -51,6 +51,7 @@ import torch
 
 from .state import _MISSING, _SIZE, _cell_full, _leaves, _pure_module, _SizeTemplate, _tensors, user_backward
 
+
 def _has_int(v) -> bool:
     if type(v) is int:
         return v >= 2
@@ -115,16 +116,13 @@ def fill_sizes(v, ints):
     return v
 
 
-_TELLS_APART_NAMES = frozenset({"isinstance", "issubclass", "type", "str", "repr", "ascii", "format", "id", "hash",
-                                "vars", "dir"})
+_TELLS_APART_NAMES = frozenset({"isinstance", "issubclass", "type", "str", "repr", "ascii", "format", "id", "hash", "vars", "dir"})
 
 
-_TELLS_APART_ATTRS = frozenset({"format", "format_map", "__class__", "__str__", "__repr__", "__format__", "__hash__",
-                                "__dict__"})
+_TELLS_APART_ATTRS = frozenset({"format", "format_map", "__class__", "__str__", "__repr__", "__format__", "__hash__", "__dict__"})
 
 
-_TELLS_APART_OPS = frozenset({"FORMAT_VALUE", "FORMAT_SIMPLE", "FORMAT_WITH_SPEC", "CONVERT_VALUE", "BUILD_STRING",
-                              "MATCH_CLASS"})
+_TELLS_APART_OPS = frozenset({"FORMAT_VALUE", "FORMAT_SIMPLE", "FORMAT_WITH_SPEC", "CONVERT_VALUE", "BUILD_STRING", "MATCH_CLASS"})
 
 
 _TELLS_APART: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fn -> `_tells_symints_apart`

@@ -24,6 +24,7 @@ from .ctx_sizes import _has_int, _node_sizes, _sizes_may_be_symbolic, _take_size
 
 # -- collect: a custom Function's part of the key, and what it lifts --------------------
 
+
 @dataclass
 class PyNodeInfo:
     flags: tuple  # (materialize_grads, materialize_non_diff_grads, boxed_grads_call, is_variable_input)
@@ -136,7 +137,9 @@ def collect_pynode(capture, idx: int, lift, keep_graph: bool) -> tuple[tuple, Py
         capture.hand_over_saved(idx, saved, keep_graph)
         info.saved = tuple(lift(t) if t is not None else -1 for t in aot.saved_tensors(node, saved))
         info.symints = tuple(node.symints)
-        return FunctionKey(cls, "region", flags, tuple(node.needs_input_grad), info.saved, aot.key(info.symints, aot.objects_key(node))), info
+        return FunctionKey(
+            cls, "region", flags, tuple(node.needs_input_grad), info.saved, aot.key(info.symints, aot.objects_key(node))
+        ), info
     # reading saved_tensors runs eager's own checks (freed graph, version
     # counter) and saved-tensor unpack hooks
     saved = node.saved_tensors
@@ -228,10 +231,12 @@ def trace(t, idx, values, args):
 # results carry the grad's definedness flags (the tracer's `in_bits`), exactly eager's
 # outputs. DTensor's to_local() and from_local() boundaries are here: under FSDP2 + TP their
 # grads come from hooks' calls, whose outputs may be undefined.
-NONE_IN_NONE_OUT = frozenset({
-    "torch.distributed.tensor._api._ToTorchTensor",
-    "torch.distributed.tensor._api._FromTorchTensor",
-})
+NONE_IN_NONE_OUT = frozenset(
+    {
+        "torch.distributed.tensor._api._ToTorchTensor",
+        "torch.distributed.tensor._api._FromTorchTensor",
+    }
+)
 
 
 def _none_in_none_out(cls, values) -> bool:
@@ -304,7 +309,9 @@ def python_backward(t, idx, node, info, inputs, args):
     except NeedsOpaque:
         raise
     except Exception as e:
-        raise NeedsOpaque(idx, f"{node.name()} backward not traceable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+        raise NeedsOpaque(
+            idx, f"{node.name()} backward not traceable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        )
     finally:
         for name, value in originals.items():
             setattr(node, name, value)

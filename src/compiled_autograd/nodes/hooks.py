@@ -32,8 +32,17 @@ def call(t, kind, idx, values: list, extra=()):
     flags = kind != TENSOR_PRE_HOOKS or all(t is None for t in tensors)
     # a grad held by reference (a nested tensor's) comes back by reference (NOTE [Values passed by reference])
     by_reference = tuple(i for i, x in enumerate(tensors) if t.is_reference(x))
-    outs, flag = t._call(kind, idx, [v.t if v is not None else None for v in every], metas, flags=flags, values=every, keeps=True,
-                         outs_like_args=kind == TENSOR_PRE_HOOKS, by_reference_outs=by_reference)
+    outs, flag = t._call(
+        kind,
+        idx,
+        [v.t if v is not None else None for v in every],
+        metas,
+        flags=flags,
+        values=every,
+        keeps=True,
+        outs_like_args=kind == TENSOR_PRE_HOOKS,
+        by_reference_outs=by_reference,
+    )
     result, k = [], 0
     for o, v in zip(outs, values):
         if o is None:

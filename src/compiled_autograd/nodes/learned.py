@@ -26,6 +26,7 @@ from ..errors import Unkeyable
 from ..values import SubclassSpec, SubclassUnpack, dense_order
 from .state import value_key
 
+
 @functools.cache
 class LearnKey(NamedTuple):
     """Where a hooked saved tensor's unpacked metadata is learned and looked up (NOTE [Unpack
@@ -168,14 +169,19 @@ class UnpackMetas:
         its inner tensors' where it was a subclass of `spec`)."""
         if spec is None:
             inner = [t]
-        elif (type(t) is spec.type and t.__tensor_flatten__()[1] == spec.meta and tuple(t.shape) == spec.size
-              and tuple(t.stride()) == spec.stride and all(_same_const(getattr(t, n), c) for n, c in spec.consts)):
+        elif (
+            type(t) is spec.type
+            and t.__tensor_flatten__()[1] == spec.meta
+            and tuple(t.shape) == spec.size
+            and tuple(t.stride()) == spec.stride
+            and all(_same_const(getattr(t, n), c) for n, c in spec.consts)
+        ):
             inner = SubclassSpec.of(t)[1]
         else:
             inner = []
         if len(inner) == len(metas) and all(
-            type(x) in (torch.Tensor, torch.nn.Parameter) and list(x.shape) == list(m.shape) and x.dtype == m.dtype
-            and x.device == m.device for x, m in zip(inner, metas)
+            type(x) in (torch.Tensor, torch.nn.Parameter) and list(x.shape) == list(m.shape) and x.dtype == m.dtype and x.device == m.device
+            for x, m in zip(inner, metas)
         ):
             return
         m = metas[0]

@@ -93,8 +93,12 @@ def handed_over(slots, results) -> list:
     last = {src: i for i, s in enumerate(slots) if s.by_reference for _, src in s.by_reference.args}
     for _, src in results:
         last.pop(src, None)
-    return [s._replace(by_reference=s.by_reference._replace(handed=tuple({src for _, src in s.by_reference.args if last.get(src) == i})))
-            if s.by_reference else s for i, s in enumerate(slots)]
+    return [
+        s._replace(by_reference=s.by_reference._replace(handed=tuple({src for _, src in s.by_reference.args if last.get(src) == i})))
+        if s.by_reference
+        else s
+        for i, s in enumerate(slots)
+    ]
 
 
 def _run_sum(capture, node, args, mask, metas, hooks, steal):

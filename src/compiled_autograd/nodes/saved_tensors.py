@@ -223,9 +223,7 @@ def hook_code(hook):
 def unpack(hook, packed):
     t = hook(packed)
     if not isinstance(t, torch.Tensor):
-        raise TypeError(
-            f"Output of saved tensor unpack_hook expected to be a Tensor but got result of type {type(t).__name__}"
-        )
+        raise TypeError(f"Output of saved tensor unpack_hook expected to be a Tensor but got result of type {type(t).__name__}")
     return t
 
 
@@ -268,6 +266,15 @@ class NotAsLearned(RuntimeError):
 # its arguments only order it (what must be computed before it); its output, a tensor the
 # hook made, has no grad of a node in it
 SLOT_KINDS = (
-    SlotKind(UNPACK, FAMILY, _run, reads_saved=False, shares_args=False, ordering_args=True, new_grads_go_nowhere=True,
-             what="the unpack hook of a saved tensor", resumable=True),
+    SlotKind(
+        UNPACK,
+        FAMILY,
+        _run,
+        reads_saved=False,
+        shares_args=False,
+        ordering_args=True,
+        new_grads_go_nowhere=True,
+        what="the unpack hook of a saved tensor",
+        resumable=True,
+    ),
 )

@@ -14,12 +14,10 @@ import torch
 from ..errors import Unkeyable
 
 
-_SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
-            torch.layout, torch.memory_format, enum.Enum)
+_SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format, enum.Enum)
 
 
-_BY_IDENTITY = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type, types.ModuleType,
-                torch.nn.Module)
+_BY_IDENTITY = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type, types.ModuleType, torch.nn.Module)
 
 
 def _exact(v):
@@ -161,8 +159,23 @@ def _plain_frozen_dataclass(v, fields) -> bool:
 # eager reads it without a version check when the node runs, after the hooks before
 # it: it is passed on by a hook's call (NOTE [Hooks may change what the graph reads]);
 # a backward that changes it in place runs opaquely (as for ctx tensors).
-_PURE_MODULES = ("torch", "math", "cmath", "operator", "functools", "itertools", "numbers", "typing",
-                 "builtins", "collections", "enum", "warnings", "numpy", "compiled_autograd", "_pytest")
+_PURE_MODULES = (
+    "torch",
+    "math",
+    "cmath",
+    "operator",
+    "functools",
+    "itertools",
+    "numbers",
+    "typing",
+    "builtins",
+    "collections",
+    "enum",
+    "warnings",
+    "numpy",
+    "compiled_autograd",
+    "_pytest",
+)
 
 
 value_key = _value_key  # (public: walk/subclasses.py keys a subclass's metadata with it)
@@ -176,8 +189,21 @@ def _state_in(v, depth: int, seen: set, keyed: list, liftable: bool = False) -> 
     """Why reading `v` (a global, closure or ctx value) is reading state, or None."""
     if isinstance(v, types.ModuleType):
         return None if _pure_module(v.__name__) else f"module {v.__name__}"
-    if isinstance(v, (types.BuiltinFunctionType, types.BuiltinMethodType, torch._ops.OpOverloadPacket,
-                      torch._ops.OpOverload, type(None), bool, str, bytes, torch.dtype, torch.device)):
+    if isinstance(
+        v,
+        (
+            types.BuiltinFunctionType,
+            types.BuiltinMethodType,
+            torch._ops.OpOverloadPacket,
+            torch._ops.OpOverload,
+            type(None),
+            bool,
+            str,
+            bytes,
+            torch.dtype,
+            torch.device,
+        ),
+    ):
         return None
     if isinstance(v, type):
         if _pure_module(getattr(v, "__module__", "") or "") or issubclass(v, torch.autograd.Function):
@@ -196,8 +222,7 @@ def _immutable(v) -> bool:
     return isinstance(v, _SCALARS) or (type(v) is tuple and all(_immutable(x) for x in v))
 
 
-def _code_reads_state(fn, depth: int = 0, seen: set | None = None, keyed: list | None = None,
-                      liftable: bool = True) -> str | None:
+def _code_reads_state(fn, depth: int = 0, seen: set | None = None, keyed: list | None = None, liftable: bool = True) -> str | None:
     """Why `fn`'s code reads Python state a trace would freeze, or None (NOTE [Python
     state a backward reads]). The reads of globals, closure cells and class attributes
     that hold immutable values (numbers, strings, dtypes, tuples of them) go to `keyed`
@@ -271,8 +296,19 @@ def _class_attr_state(cls, following, keyed: list) -> str | None:
                 return f"attribute {ins.argval}"
             if _immutable(v):
                 keyed.append((cls, ins.argval))
-            elif not isinstance(v, (types.FunctionType, staticmethod, classmethod, property, types.BuiltinFunctionType,
-                                    types.MethodDescriptorType, types.WrapperDescriptorType, types.ClassMethodDescriptorType)):
+            elif not isinstance(
+                v,
+                (
+                    types.FunctionType,
+                    staticmethod,
+                    classmethod,
+                    property,
+                    types.BuiltinFunctionType,
+                    types.MethodDescriptorType,
+                    types.WrapperDescriptorType,
+                    types.ClassMethodDescriptorType,
+                ),
+            ):
                 return f"class attribute {ins.argval}"
     return None
 
@@ -381,8 +417,12 @@ def swapped(fn, values: dict):
         for cell in f.__closure__ or ():
             if (id(cell), None) in values:
                 cell = types.CellType(values[(id(cell), None)])
-            elif depth < 3 and _cell_full(cell) and isinstance(cell.cell_contents, types.FunctionType) \
-                    and not _pure_module(getattr(cell.cell_contents, "__module__", "") or ""):
+            elif (
+                depth < 3
+                and _cell_full(cell)
+                and isinstance(cell.cell_contents, types.FunctionType)
+                and not _pure_module(getattr(cell.cell_contents, "__module__", "") or "")
+            ):
                 cell = types.CellType(copy(cell.cell_contents, depth + 1))  # (a decorator's function)
             cells.append(cell)
         new = types.FunctionType(f.__code__, g, f.__name__, f.__defaults__, tuple(cells) or None)

@@ -23,7 +23,7 @@ def log_capture(record: dict) -> dict:
 
 def node_keys(capture) -> tuple:
     key, offsets = capture.key(), capture.node_key_offsets()
-    return tuple(key[a:b] for a, b in zip(offsets, offsets[1:])) + (key[offsets[-1]:] if offsets else key,)
+    return tuple(key[a:b] for a, b in zip(offsets, offsets[1:])) + (key[offsets[-1] :] if offsets else key,)
 
 
 def describe_dynamic(collected, dynamic) -> list[str]:

@@ -64,10 +64,7 @@ def _report(entries: list, compiles=()) -> str:
         if len(opaque) > MAX_ITEMS:
             lines.append(f"    opaque: ... {len(opaque) - MAX_ITEMS} more nodes (all of them: ca.dump(path))")
         if c.get("in_graph"):
-            lines.append(
-                f"    saved-tensor hooks: {c['in_graph']} tensors unpacked in the graph, each when its node runs "
-                "(as in eager)"
-            )
+            lines.append(f"    saved-tensor hooks: {c['in_graph']} tensors unpacked in the graph, each when its node runs (as in eager)")
         if c.get("unpacked"):
             lines.append(
                 f"    saved-tensor hooks: {c['unpacked']} tensors ({c['unpacked_mb']:.1f} MB) unpacked when the backward "
@@ -118,6 +115,7 @@ def summarise_guards(source: str | None) -> str:
 
 # -- dump ----------------------------------------------------------------------------
 
+
 def dump(entries: list, path, script) -> list[str]:
     """Write every cached graph (`entries`) to `path`: a script that runs it (graph_<i>.py,
     `script(entry, file)`: NOTE [A graph you can run], compile/repro.py), how it was captured,
@@ -145,8 +143,12 @@ def dump(entries: list, path, script) -> list[str]:
 
 
 def _describe_entry(e) -> str:
-    lines = [f"reason: {e.reason}", f"backend: {e.backend}", f"inputs: {e.num_inputs}",
-             f"trace {e.trace_seconds:.2f}s, compile {e.compile_seconds:.2f}s"]
+    lines = [
+        f"reason: {e.reason}",
+        f"backend: {e.backend}",
+        f"inputs: {e.num_inputs}",
+        f"trace {e.trace_seconds:.2f}s, compile {e.compile_seconds:.2f}s",
+    ]
     if e.dynamic is not None:
         lines.append(f"symbolic size positions: {list(e.dynamic.symbolic)}")
         lines.append(f"guards: {e.dynamic.guard_source}")
@@ -195,8 +197,10 @@ def _svg(e) -> str:
     h, w, gap = 22, 520, 8
     rows = len(e.nodes)
     height = rows * (h + gap) + 40
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w + 260}" height="{height}" font-family="monospace" font-size="11">',
-           f'<text x="10" y="16">{escape(e.reason)} ({e.backend}, {rows} nodes)</text>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w + 260}" height="{height}" font-family="monospace" font-size="11">',
+        f'<text x="10" y="16">{escape(e.reason)} ({e.backend}, {rows} nodes)</text>',
+    ]
     y = lambda i: 30 + i * (h + gap)
     for i, n in enumerate(e.nodes):
         out.append(f'<rect x="10" y="{y(i)}" width="{w}" height="{h}" fill="{_color(n)}" stroke="#555"/>')

@@ -51,5 +51,3 @@ def compile_status(what: str, every: float = 10.0, detail=None):
     finally:
         stop.set()
         log.info("%s: done in %.2fs", what, time.perf_counter() - start)
-
-

@@ -14,7 +14,13 @@ def engine_vjp(outs, cts, wrt, create: bool):
     """Eager's engine itself (not torch.autograd's routed global): this may run
     while a backward that contains it is traced."""
     return torch.autograd.graph._engine_run_backward(
-        tuple(outs), tuple(cts), create, create, tuple(wrt), True, False  # keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad
+        tuple(outs),
+        tuple(cts),
+        create,
+        create,
+        tuple(wrt),
+        True,
+        False,  # keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad
     )
 
 

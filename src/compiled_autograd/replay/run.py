@@ -19,8 +19,9 @@ from ..cache.memory import CACHE, CompiledBackward
 from .validate import backend_output_error, mismatches
 
 
-def run_graph(entry: CompiledBackward, capture, lifted, extra, hooks, releases=(), free_on_failure=False, observed=None, keep_graph=True,
-              resume=None):
+def run_graph(
+    entry: CompiledBackward, capture, lifted, extra, hooks, releases=(), free_on_failure=False, observed=None, keep_graph=True, resume=None
+):
     """Run the entry's function on the lifted tensors; its results. `resume(stop, args)`: the
     results where a call stops the run (a ResumeHere: NOTE [A call output not as traced] in
     capture/resume.py), given the graph's inputs still alive (None where one was freed)."""
@@ -56,8 +57,9 @@ def run_graph(entry: CompiledBackward, capture, lifted, extra, hooks, releases=(
 
     def run():
         after = entry.plan.release_after if releases else None
-        frame = kernel.replaying(capture, entry.plan.slots, hooks, steal, entry.steals, versions, ctx, after, observed,
-                                dict(held) if held else None)
+        frame = kernel.replaying(
+            capture, entry.plan.slots, hooks, steal, entry.steals, versions, ctx, after, observed, dict(held) if held else None
+        )
         try:
             # NOTE [create_graph with an opaque node]: the traced graph in grad mode, as eager's engine runs
             with frame, torch.set_grad_enabled(entry.plan.differentiable is not None):

@@ -33,7 +33,6 @@ from . import precheck
 from .subclasses import flatten_wrappers
 
 
-
 class _Lifter:
     """Lifts the tensors only Python sees (a custom Function's saved tensors and ctx
     attributes) after the native ones: each one's key entries and its geometry (the sizes
@@ -201,5 +200,3 @@ def _grad_on_ctx(capture, pynodes, lifted) -> bool:
     graph at its eager position (not after the graph)."""
     kept = {id(lifted[i]) for i in kept_indices(pynodes, lifted)}
     return bool(kept) and any(id(g) in kept for g in capture.accumulated_grads())
-
-
