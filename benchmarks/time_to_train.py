@@ -179,15 +179,11 @@ def _run_one(args, workload: str, mode: str, steps: int, out_dir: Path, until: f
         # a first process with the same model ran until its compile was in (its exit waits for
         # it), sharing its caches (inductor's, and our disk cache): the next one is measured
         # (and its compiled package made: NOTE [Compiled graphs loaded without inductor])
-        prime = _worker_run(
-            args,
-            workload,
-            mode,
-            2,
-            out_dir,
-            cache,
-            dict(COMPILED_AUTOGRAD_EXIT_WAIT="inf", COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="600", COMPILED_AUTOGRAD_DISK_CACHE="1"),
-        )
+        # --prime-exits: the first process runs as many steps and exits without waiting, its
+        # compile left to finish after it (the default, up to 300 s) while the measured one starts
+        wait = "0" if args.prime_exits else "inf"
+        prime_env = dict(COMPILED_AUTOGRAD_EXIT_WAIT=wait, COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="600", COMPILED_AUTOGRAD_DISK_CACHE="1")
+        prime = _worker_run(args, workload, mode, steps if args.prime_exits else 2, out_dir, cache, prime_env)
         if prime[0] != 0:
             print(f"    priming run failed: {prime[1][-500:]}", flush=True)
     rc, err, wall, load = _worker_run(
@@ -205,7 +201,9 @@ def _run_one(args, workload: str, mode: str, steps: int, out_dir: Path, until: f
         process_wall_s=wall,
         loadavg_before=load,
         loadavg_after=os.getloadavg(),
-        warm=bool(args.warm),
+        warm=("after a first process that exited before its compile finished" if args.prime_exits else "after a compiled first process")
+        if args.warm
+        else False,
     )
     if rc != 0:
         row["stderr_tail"] = err[-3000:]
@@ -475,7 +473,13 @@ def write_report(data: dict, out_dir: Path) -> None:
         f"1-minute load average {_f((m.get('loadavg_start') or [None])[0], '{:.2f}')} at the start, "
         f"{_f((m.get('loadavg_end') or [None])[0], '{:.2f}')} at the end (per row below).",
         "",
-        "One fresh process per (workload, mode), cold inductor cache, our disk cache off; a step is "
+        (
+            "One fresh process per (workload, mode), warm: ours measured in a second process on the caches of a first, "
+            + str(data["rows"][0].get("warm"))
+            if any(r.get("warm") for r in data["rows"])
+            else "One fresh process per (workload, mode), cold inductor cache, our disk cache off"
+        )
+        + "; a step is "
         "forward + backward + SGD step. `N` = " + str(data.get("steps")) + " steps, and `N15` = the steps "
         f"eager needs to reach {data.get('target_seconds')} s.",
         "",
@@ -584,6 +588,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="ours: measure a second process, after a first one with the same model compiled its graph "
         "(sharing inductor's caches and our disk cache)",
+    )
+    p.add_argument(
+        "--prime-exits",
+        action="store_true",
+        help="with --warm: the first process runs the same steps and exits without waiting for its compile (which finishes "
+        "after it); the measured one starts at once",
     )
     p.add_argument("--out", default=None, help="default docs/bench/time_to_train (--quick: a temporary folder)")
     p.add_argument("--report-only", action="store_true")
