@@ -679,3 +679,52 @@ def test_ranks_on_separate_caches_share_one_compile_through_the_process_group(tm
         assert p.returncode == 0, err[-2000:]
         counts.append(tuple(int(v) for v in out.split("stats", 1)[1].split()))
     assert sorted(counts) == [(0, 1, 0), (1, 0, 0)], counts  # (child compiles, shared compiles, failures)
+
+
+_LEAVES_THE_ISA_DECISION = """
+import sys, torch
+import compiled_autograd as ca
+from compiled_autograd.compile import child, inductor
+from torch._dynamo.utils import counters
+
+seen = []
+run_child = child._run_child
+def watched(*args, **kwargs):  # (the payload is built: what did building it import?)
+    seen.append(("torch._inductor.codecache" in sys.modules, inductor.decided_isa_patches()))
+    return run_child(*args, **kwargs)
+child._run_child = watched
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+for i in range(2):
+    with ca.enable("inductor"):
+        net(torch.randn(4, 16)).square().mean().backward()
+    assert ca.synchronize(600)
+s = ca.stats()
+print("seen", seen)
+print("stats", s.child_compiles, s.hits, s.compile_failures, counters["inductor"]["fxgraph_cache_hit"],
+      counters["inductor"].get("fxgraph_cache_miss", 0), inductor.decided_isa_patches() is not None)
+"""
+
+
+@pytest.mark.inductor
+def test_the_training_process_leaves_the_isa_decision_to_its_child(tmp_path):
+    """NOTE [The machine's vector ISAs, probed once]: taking the decision finds the C++ compiler
+    (inductor's codecache imported, `g++ --version` run: +0.25 s over the D=1024 MLP's first 60
+    steps). A training process that has not taken it hands none to its child, takes the child's,
+    and loads the child's compile from inductor's caches (a hit, no miss: the same key)."""
+    import os
+    import subprocess
+
+    env = dict(
+        os.environ,
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+        COMPILED_AUTOGRAD_DISK_CACHE="0",
+        COMPILED_AUTOGRAD_COMPILE_PROCESS="1",
+        COMPILED_AUTOGRAD_CHILD_NICE="0",
+    )
+    out = subprocess.run([sys.executable, "-c", _LEAVES_THE_ISA_DECISION], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "seen [(False, None)]" in out.stdout, out.stdout
+    stats = out.stdout.split("stats", 1)[1].split()
+    # (child compiles, hits, failures, inductor cache hits, misses, a decision taken)
+    assert stats == ["1", "1", "0", "1", "0", "True"], out.stdout

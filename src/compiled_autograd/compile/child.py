@@ -4,6 +4,7 @@ inductor's on-disk caches; the training process then loads the compiled graph fr
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -129,10 +130,10 @@ def _cache_dir() -> str | None:
         return None
 
 
-def _isa_patches() -> dict:
-    from .inductor import isa_patches
+def _isa_patches() -> dict | None:
+    from .inductor import decided_isa_patches
 
-    return isa_patches()
+    return decided_isa_patches()
 
 
 def compile_in_child(gm: torch.fx.GraphModule, example_inputs, patches: dict | None, marker=None, claim=None, artifacts=None) -> bool:
@@ -154,7 +155,7 @@ def compile_in_child(gm: torch.fx.GraphModule, example_inputs, patches: dict | N
                 "marker": marker,
                 "claim": claim,
                 "artifacts": artifacts is not None,
-                "isa": _isa_patches(),  # (the parent's decision: NOTE [The machine's vector ISAs, probed once])
+                "isa": _isa_patches(),  # (the parent's decision, or None: NOTE [The machine's vector ISAs, probed once])
             }
         )
     except Exception as e:  # a graph whose code cannot be pickled: compiled in-process only
@@ -165,6 +166,7 @@ def compile_in_child(gm: torch.fx.GraphModule, example_inputs, patches: dict | N
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
         done = _run_child(path, claim)  # (the child removes the file once it has read it)
+        _take_isa_decision(path + ".isa")
         if artifacts is not None:  # (what the child saved of its compile: path + ".artifacts")
             try:
                 with open(path + ".artifacts", "rb") as f:
@@ -173,6 +175,21 @@ def compile_in_child(gm: torch.fx.GraphModule, example_inputs, patches: dict | N
             except OSError:
                 pass
         return done
+
+
+def _take_isa_decision(path: str) -> None:
+    """The child's decision on the vector ISAs, where this process had taken none (NOTE [The
+    machine's vector ISAs, probed once])."""
+    try:
+        with open(path) as f:
+            patches = json.load(f)
+        os.unlink(path)
+    except (OSError, ValueError):
+        return
+    from .inductor import decided_isa_patches, set_isa_patches
+
+    if decided_isa_patches() is None:
+        set_isa_patches(patches)
 
 
 # The child lowers its priority first, before it imports torch and this package (3.7 s of CPU
@@ -499,10 +516,14 @@ def main(argv=None) -> int:
                 log.debug("could not package a graph", exc_info=True)
                 failed += 1
         return int(bool(failed))
-    from .inductor import compile_inductor, set_isa_patches
+    from .inductor import compile_inductor, isa_patches, set_isa_patches
     from .torch_patches import compile_lock
 
-    set_isa_patches(payload.get("isa", {}))
+    if payload.get("isa") is not None:
+        set_isa_patches(payload["isa"])
+    else:  # (the parent takes this child's decision: NOTE [The machine's vector ISAs, probed once])
+        with open(argv[0] + ".isa", "w") as f:
+            json.dump(isa_patches(), f)
     threads = _compile_threads()
     if threads > 1:  # (not in inductor's cache keys: a compile's result is the same)
         import torch._inductor.config as inductor_config
