@@ -51,6 +51,23 @@ def fresh_inductor_cache(tmp_path, monkeypatch):
     return counters
 
 
+def _process_env(tmp_path, **extra) -> dict:
+    """The environment of a training process a test starts: its own graph and inductor caches, our
+    disk cache on, its compile child at training's priority (a low-priority child may take longer
+    than a test should wait on a machine others keep busy)."""
+    import os
+
+    env = dict(
+        os.environ,
+        COMPILED_AUTOGRAD_GRAPH_DIR=str(tmp_path / "graphs"),
+        COMPILED_AUTOGRAD_DISK_CACHE="1",
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+        COMPILED_AUTOGRAD_CHILD_NICE="0",
+    )
+    env.update(extra)
+    return env
+
+
 def _captured_graph():
     """A captured graph and its example inputs, as the background compile gets them."""
     seen = []
@@ -367,14 +384,7 @@ def test_a_compile_pending_at_exit_finishes_after_it_and_the_next_process_loads_
     import subprocess
     import time
 
-    env = dict(
-        os.environ,
-        COMPILED_AUTOGRAD_GRAPH_DIR=str(tmp_path / "graphs"),
-        COMPILED_AUTOGRAD_DISK_CACHE="1",
-        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
-        COMPILED_AUTOGRAD_CHILD_NICE="0",
-        COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="600",
-    )
+    env = _process_env(tmp_path, COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="600")
     env.pop("COMPILED_AUTOGRAD_EXIT_WAIT", None)
     first = subprocess.run([sys.executable, "-c", _LEAVES_A_COMPILE, "1", "leave"], env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
@@ -461,18 +471,9 @@ def test_a_compiled_graph_is_packaged_after_exit_and_the_next_process_runs_it_wi
     finds the graph and its package, and runs it compiled from its first backward with no
     inductor imported; two inputs, the second a hit, each with eager's grads up to inductor's
     rounding."""
-    import os
     import subprocess
 
-    env = dict(
-        os.environ,
-        COMPILED_AUTOGRAD_GRAPH_DIR=str(tmp_path / "graphs"),
-        COMPILED_AUTOGRAD_DISK_CACHE="1",
-        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
-        COMPILED_AUTOGRAD_CHILD_NICE="0",
-        COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="600",
-        COMPILED_AUTOGRAD_EXIT_WAIT="inf",
-    )
+    env = _process_env(tmp_path, COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="600", COMPILED_AUTOGRAD_EXIT_WAIT="inf")
     first = subprocess.run([sys.executable, "-c", _PACKAGED, "2"], env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-2000:]
     assert first.stdout.split()[-6:] == ["0", "1", "0", "1", "0", "True"], first.stdout
@@ -599,17 +600,9 @@ def test_two_processes_on_one_machine_share_one_compile(tmp_path):
     """NOTE [One compile per machine]: two processes (the ranks of a job) capture the same graph at
     once, on the same caches: one compiles it in its child, the other waits for that compile and
     loads it (a counter in each); neither fails."""
-    import os
     import subprocess
 
-    env = dict(
-        os.environ,
-        COMPILED_AUTOGRAD_GRAPH_DIR=str(tmp_path / "graphs"),
-        COMPILED_AUTOGRAD_DISK_CACHE="1",
-        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
-        COMPILED_AUTOGRAD_CHILD_NICE="0",
-        COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="0",
-    )
+    env = _process_env(tmp_path, COMPILED_AUTOGRAD_FINISH_AFTER_EXIT="0")
     procs = [
         subprocess.Popen([sys.executable, "-c", _SHARES_A_COMPILE], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2)
@@ -712,16 +705,9 @@ def test_the_training_process_leaves_the_isa_decision_to_its_child(tmp_path):
     (inductor's codecache imported, `g++ --version` run: +0.25 s over the D=1024 MLP's first 60
     steps). A training process that has not taken it hands none to its child, takes the child's,
     and loads the child's compile from inductor's caches (a hit, no miss: the same key)."""
-    import os
     import subprocess
 
-    env = dict(
-        os.environ,
-        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
-        COMPILED_AUTOGRAD_DISK_CACHE="0",
-        COMPILED_AUTOGRAD_COMPILE_PROCESS="1",
-        COMPILED_AUTOGRAD_CHILD_NICE="0",
-    )
+    env = _process_env(tmp_path, COMPILED_AUTOGRAD_DISK_CACHE="0", COMPILED_AUTOGRAD_COMPILE_PROCESS="1")
     out = subprocess.run([sys.executable, "-c", _LEAVES_THE_ISA_DECISION], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "seen [(False, None)]" in out.stdout, out.stdout
