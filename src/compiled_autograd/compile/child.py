@@ -156,6 +156,7 @@ def compile_in_child(gm: torch.fx.GraphModule, example_inputs, patches: dict | N
                 "claim": claim,
                 "artifacts": artifacts is not None,
                 "isa": _isa_patches(),  # (the parent's decision, or None: NOTE [The machine's vector ISAs, probed once])
+                "parent": os.getpid(),
             }
         )
     except Exception as e:  # a graph whose code cannot be pickled: compiled in-process only
@@ -521,7 +522,9 @@ def main(argv=None) -> int:
 
     if payload.get("isa") is not None:
         set_isa_patches(payload["isa"])
-    else:  # (the parent takes this child's decision: NOTE [The machine's vector ISAs, probed once])
+    elif os.getppid() == payload.get("parent"):  # (it takes this child's decision: NOTE [The machine's vector ISAs, probed once])
+        # (beside the graph's file only while the parent is there to read it, as the artifacts:
+        # a child left to finish after exit writes neither)
         with open(argv[0] + ".isa", "w") as f:
             json.dump(isa_patches(), f)
     threads = _compile_threads()
@@ -533,7 +536,7 @@ def main(argv=None) -> int:
     fakes = fakes_of(payload["inputs"])
     with compile_lock, torch.no_grad():
         compile_inductor(gm, fakes, False, payload["patches"])
-    if payload.get("artifacts"):  # NOTE [One compile per job] (compile/claims.py)
+    if payload.get("artifacts") and os.getppid() == payload.get("parent"):  # NOTE [One compile per job] (compile/claims.py)
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None:
             with open(argv[0] + ".artifacts", "wb") as f:
