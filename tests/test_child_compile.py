@@ -688,13 +688,24 @@ def watched(*args, **kwargs):  # (the payload is built: what did building it imp
 child._run_child = watched
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
-for i in range(2):
-    with ca.enable("inductor"):
-        net(torch.randn(4, 16)).square().mean().backward()
+def grads(x, compiled):
+    for p in net.parameters():
+        p.grad = None
+    with ca.enable("inductor") if compiled else ca.disable():
+        net(x).square().mean().backward()
+    return [p.grad.clone() for p in net.parameters()]
+for i in range(2):  # two inputs through one entry: the capture (eager's ops), then a hit of the child's compile
+    x = torch.randn(4, 16)
+    want, got = grads(x, False), grads(x, True)
     assert ca.synchronize(600)
+    for a, b in zip(got, want):
+        if i == 0:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 s = ca.stats()
 print("seen", seen)
-print("stats", s.child_compiles, s.hits, s.compile_failures, counters["inductor"]["fxgraph_cache_hit"],
+print("stats", s.captures, s.child_compiles, s.hits, s.eager_fallbacks, s.compile_failures, counters["inductor"]["fxgraph_cache_hit"],
       counters["inductor"].get("fxgraph_cache_miss", 0), inductor.decided_isa_patches() is not None)
 """
 
@@ -712,5 +723,5 @@ def test_the_training_process_leaves_the_isa_decision_to_its_child(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "seen [(False, None)]" in out.stdout, out.stdout
     stats = out.stdout.split("stats", 1)[1].split()
-    # (child compiles, hits, failures, inductor cache hits, misses, a decision taken)
-    assert stats == ["1", "1", "0", "1", "0", "True"], out.stdout
+    # (captures, child compiles, hits, eager fallbacks, failures, inductor cache hits, misses, a decision taken)
+    assert stats == ["1", "1", "1", "0", "0", "1", "0", "True"], out.stdout

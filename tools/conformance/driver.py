@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
@@ -59,81 +60,51 @@ def run(
             core=_core_version(),
         ),
     )
-    tmp = None
-    if disk_cache and not os.environ.get("COMPILED_AUTOGRAD_GRAPH_DIR"):
-        import tempfile
-
-        tmp = tempfile.mkdtemp(prefix="ca_conformance_graphs_")
-        os.environ["COMPILED_AUTOGRAD_GRAPH_DIR"] = tmp
-    try:
-        _run_all(
-            report,
-            backend,
-            ops,
-            modules,
-            filter,
-            sample,
-            every,
-            dtypes,
-            module_dtypes,
-            op_names,
-            module_names,
-            modes,
-            disk_cache,
-            progress,
-            empty,
-        )
-    finally:
-        if tmp is not None:
-            import shutil
-
-            os.environ.pop("COMPILED_AUTOGRAD_GRAPH_DIR", None)
-            shutil.rmtree(tmp, ignore_errors=True)
+    with _scratch_graph_dir(disk_cache):
+        op_dt = [DTYPES[d] for d in dtypes]
+        mod_dt = [DTYPES[d] for d in (module_dtypes or dtypes)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if ops:
+                sel = select_ops(filter, every, op_names)
+                for k, op in enumerate(sel):
+                    t = time.perf_counter()
+                    rs = run_op(op, backend=backend, dtypes=op_dt, sample_limit=sample, modes=modes, disk_cache=disk_cache, empty=empty)
+                    report.cases.extend(rs)
+                    if progress:
+                        progress(_progress_line("op", k, len(sel), op_full_name(op), rs, time.perf_counter() - t))
+                    if k % 50 == 49:  # a full collection costs ~0.2 s with op_db loaded
+                        gc.collect()
+            if modules and not empty:  # (ModuleInfo has no such samples to pick)
+                sel = select_modules(filter, every, module_names)
+                for k, info in enumerate(sel):
+                    t = time.perf_counter()
+                    rs = run_module(info, backend=backend, dtypes=mod_dt, sample_limit=sample, modes=modes, disk_cache=disk_cache)
+                    report.cases.extend(rs)
+                    if progress:
+                        progress(_progress_line("module", k, len(sel), info.name, rs, time.perf_counter() - t))
+                    if k % 10 == 9:
+                        gc.collect()
     report.seconds = time.perf_counter() - t0
     return report
 
 
-def _run_all(
-    report,
-    backend,
-    ops,
-    modules,
-    filter,
-    sample,
-    every,
-    dtypes,
-    module_dtypes,
-    op_names,
-    module_names,
-    modes,
-    disk_cache,
-    progress,
-    empty=False,
-) -> None:
-    op_dt = [DTYPES[d] for d in dtypes]
-    mod_dt = [DTYPES[d] for d in (module_dtypes or dtypes)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if ops:
-            sel = select_ops(filter, every, op_names)
-            for k, op in enumerate(sel):
-                t = time.perf_counter()
-                rs = run_op(op, backend=backend, dtypes=op_dt, sample_limit=sample, modes=modes, disk_cache=disk_cache, empty=empty)
-                report.cases.extend(rs)
-                if progress:
-                    progress(_progress_line("op", k, len(sel), op_full_name(op), rs, time.perf_counter() - t))
-                if k % 50 == 49:  # a full collection costs ~0.2 s with op_db loaded
-                    gc.collect()
-        if modules and not empty:  # (ModuleInfo has no such samples to pick)
-            sel = select_modules(filter, every, module_names)
-            for k, info in enumerate(sel):
-                t = time.perf_counter()
-                rs = run_module(info, backend=backend, dtypes=mod_dt, sample_limit=sample, modes=modes, disk_cache=disk_cache)
-                report.cases.extend(rs)
-                if progress:
-                    progress(_progress_line("module", k, len(sel), info.name, rs, time.perf_counter() - t))
-                if k % 10 == 9:
-                    gc.collect()
+@contextlib.contextmanager
+def _scratch_graph_dir(disk_cache: bool):
+    """With the disk cache on and no graph directory set, a temporary one, removed after."""
+    if not disk_cache or os.environ.get("COMPILED_AUTOGRAD_GRAPH_DIR"):
+        yield
+        return
+    import shutil
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="ca_conformance_graphs_")
+    os.environ["COMPILED_AUTOGRAD_GRAPH_DIR"] = tmp
+    try:
+        yield
+    finally:
+        os.environ.pop("COMPILED_AUTOGRAD_GRAPH_DIR", None)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _core_version() -> str:
