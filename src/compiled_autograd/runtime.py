@@ -190,26 +190,35 @@ def _after_walk(cfg, eager, walk, keep_graph, create_graph, allow_unused, accumu
     run = _OneBackward(cfg, key, fam, collected, walk, keep_graph, create_graph)
     del collected  # (the run holds the lifted tensors, and lets go of them before applying)
     if run.entry is not None and run.entry.compiling:
-        # NOTE [Steps while a graph compiles]
-        run = None
-        walk.clear()
-        pause.resume()
+        fam.payback.compiling()  # NOTE [Steps while a graph compiles]
         with LOCK:
             STATS.eager_while_compiling += 1
-        t0 = time.perf_counter()
-        out = eager()
-        fam.payback.note_eager(time.perf_counter() - t0)  # (this run's eager baseline: NOTE [A compiled graph slower than eager])
-        return out
-    timed = run.entry is not None and not cfg.fullgraph and fam.payback.judging(run.entry)
+        del run  # (eager frees the saved tensors as it goes: nothing of ours may hold them)
+        return _eager_instead(walk, eager, pause)
+    turn = fam.payback.turn(run.entry) if run.entry is not None and not cfg.fullgraph else None
+    if turn == "eager":  # NOTE [A compiled graph slower than eager] (cache/memory.py)
+        with LOCK:
+            STATS.eager_turns += 1
     t0 = time.perf_counter()
-    try:
-        results = run.hit() if run.entry is not None else run.miss(pause)
-    except Exception as e:
-        return run.failed(e, eager, pause)
-    out = run.finish(results, accumulate_grad, allow_unused)
-    if timed and fam.payback.note_compiled(time.perf_counter() - t0):
+    if turn == "eager":
+        del run
+        out = _eager_instead(walk, eager, pause)
+    else:
+        try:
+            results = run.hit() if run.entry is not None else run.miss(pause)
+        except Exception as e:
+            return run.failed(e, eager, pause)
+        out = run.finish(results, accumulate_grad, allow_unused)
+    if turn is not None and fam.payback.note(turn, time.perf_counter() - t0):
         log.info("%s", fam.payback.verdict)
     return out
+
+
+def _eager_instead(walk, eager, pause):
+    """This backward in eager autograd, though its graph is cached (the caller let go of what it collected)."""
+    walk.clear()
+    pause.resume()
+    return eager()
 
 
 def _collect(walk, keep_graph, create_graph):

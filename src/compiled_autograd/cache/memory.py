@@ -96,35 +96,50 @@ class Payback:
     """NOTE [A compiled graph slower than eager]
     A compile pays back only where the compiled backward is faster than eager's, which on a CPU
     it need not be (a backward of matmuls and oneDNN convolutions is the same kernels either
-    way, and the compiled one adds its calls). While a graph compiles in the background its
-    backwards run in eager autograd (NOTE [Steps while a graph compiles]): their times are
-    this run's own eager baseline. Once the compiled graph is in use, its backwards are timed
-    too (the first left out: its first run's page faults); after SAMPLES of them, where the
-    median is above MARGIN times eager's median, the graph is set aside: the key's backwards run
-    in eager autograd from then on, counted with the two times as the reason ("slower than
-    eager": stats(), explain()). A graph compiled at once (no background compile, a graph
-    loaded compiled) has no baseline and is kept."""
+    way, and the compiled one adds its calls). Where a graph was compiled in the background (its
+    backwards ran in eager while it compiled: NOTE [Steps while a graph compiles]), the landed
+    graph is judged against eager in the same conditions: its key's backwards take turns, one in
+    the compiled graph, the next in eager autograd (bitwise the same results on eager and
+    aot_eager; on inductor each is its own rounding), each timed, until SAMPLES of each (the
+    compiled graph's first run is left out: its page faults). The eager backwards timed while it
+    compiled are not the baseline: they shared the machine with the compile (its slices, the
+    caches it filled; in a DDP job the allreduce waits on a rank that gave a slice), so they ran
+    slower than eager and let a slower compiled graph pass (a 2-rank DDP job: 23.2 ms while
+    compiling, 21.6 ms compiled, eager's own 17.1 ms). The turns follow the key's count of
+    backwards, so ranks that step together take the same turn. Where the compiled median is
+    above MARGIN times eager's, the graph is set aside: the key's backwards run in eager from
+    then on, counted with the two times as the reason ("slower than eager": stats(), explain()).
+    A graph compiled at once (no background compile, a graph loaded compiled) is kept."""
 
     SAMPLES = 5
     MARGIN = 1.05
 
     def __init__(self):
+        self.background = False  # its backwards ran in eager while it compiled: judge the landed graph
+        self.count = 0  # the key's backwards while judged (whose parity picks the turn)
         self.eager: list = []
         self.compiled: list = []
-        self.verdict: str | None = None  # why the key runs in eager, once decided
+        self.verdict: str | None = None  # why the key runs in eager, once decided; "" kept
 
-    def note_eager(self, seconds: float) -> None:
-        if len(self.eager) < 64:
-            self.eager.append(seconds)
+    def compiling(self) -> None:
+        """A backward ran in eager while the graph compiled in the background."""
+        self.background = True
 
-    def judging(self, entry) -> bool:
-        """Whether this hit of `entry` is timed."""
-        return self.verdict is None and entry.compiled and len(self.eager) >= 3 and len(self.compiled) <= self.SAMPLES
+    def turn(self, entry) -> str | None:
+        """'compiled' or 'eager' where this backward of `entry` is timed, None where it is not."""
+        if self.verdict is not None or not self.background or not entry.compiled:
+            return None
+        self.count += 1
+        if not self.compiled:
+            return "compiled"  # (the first, left out)
+        if len(self.eager) < self.SAMPLES and (self.count % 2 == 0 or len(self.compiled) > self.SAMPLES):
+            return "eager"
+        return "compiled"
 
-    def note_compiled(self, seconds: float) -> bool:
-        """A compiled backward's time; True when it decided that the graph is slower than eager."""
-        self.compiled.append(seconds)
-        if len(self.compiled) <= self.SAMPLES:  # (the first is left out: it decides after SAMPLES more)
+    def note(self, turn: str, seconds: float) -> bool:
+        """A timed backward; True when it decided that the graph is slower than eager."""
+        (self.eager if turn == "eager" else self.compiled).append(seconds)
+        if len(self.compiled) <= self.SAMPLES or len(self.eager) < self.SAMPLES:
             return False
         import statistics
 
@@ -132,7 +147,7 @@ class Payback:
         if compiled > self.MARGIN * eager:
             self.verdict = (
                 f"the compiled graph is slower than eager in this run ({1e3 * compiled:.2f} ms a backward against "
-                f"eager's {1e3 * eager:.2f} ms): its backwards run in eager (NOTE [A compiled graph slower than eager])"
+                f"eager's {1e3 * eager:.2f} ms, taking turns): its backwards run in eager (NOTE [A compiled graph slower than eager])"
             )
             return True
         self.verdict = ""

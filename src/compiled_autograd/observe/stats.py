@@ -19,6 +19,9 @@ class Stats:
     eager_while_compiling: backwards of a graph whose background compile was still running,
                      run by eager autograd's engine (NOTE [Steps while a graph compiles]; not
                      fallbacks: the compiled graph takes over when it is ready)
+    eager_turns:     backwards of a graph compiled in the background run in eager autograd in
+                     turn with its compiled ones, both timed, to judge it (NOTE [A compiled graph
+                     slower than eager] in cache/memory.py; not fallbacks)
     learning_backwards: backwards run in eager autograd to learn what saved-tensor unpack
                      hooks return (the first of each graph and sizes with such hooks; not
                      fallbacks: the next one is compiled)
@@ -59,6 +62,7 @@ class Stats:
     eager_fallbacks: int = 0
     learning_backwards: int = 0
     eager_while_compiling: int = 0
+    eager_turns: int = 0
     opaque_nodes: int = 0
     fallback_reasons: Counter = field(default_factory=Counter)
     opaque_reasons: Counter = field(default_factory=Counter)
@@ -89,6 +93,7 @@ class Stats:
         learning += f"type_resumes={self.type_resumes} " if self.type_resumes else ""
         learning += f"packages_loaded={self.packages_loaded} " if self.packages_loaded else ""
         learning += f"eager_while_compiling={self.eager_while_compiling} " if self.eager_while_compiling else ""
+        learning += f"eager_turns={self.eager_turns} " if self.eager_turns else ""
         return (
             f"captures={self.captures} (dynamic {self.dynamic_captures}) disk_hits={self.disk_hits} hits={self.hits} "
             f"eager_fallbacks={self.eager_fallbacks} {learning}"
