@@ -64,7 +64,8 @@ total = time.perf_counter() - t0
 s = ca.stats()
 print(json.dumps({"rank": rank, "mode": mode, "total": total, "steps": steps, "times": times, "compiled_at": compiled_at,
                   "child_compiles": s.child_compiles, "shared_compiles": s.shared_compiles, "compile_failures": s.compile_failures,
-                  "eager_while_compiling": s.eager_while_compiling, "hits": s.hits, "fallbacks": s.eager_fallbacks}))
+                  "eager_while_compiling": s.eager_while_compiling, "hits": s.hits, "fallbacks": s.eager_fallbacks,
+                  "eager_turns": s.eager_turns, "set_aside": s.fallback_reasons.get("slower than eager", 0)}))
 dist.destroy_process_group()
 """
 
@@ -139,6 +140,10 @@ def main(argv=None) -> int:
             "shared_compiles": [r["shared_compiles"] for r in ranks],
             "failures": [r["compile_failures"] for r in ranks],
             "eager_while_compiling": [r["eager_while_compiling"] for r in ranks],
+            # a landed graph judged in turns with eager (NOTE [A compiled graph slower than eager]): the backwards run in
+            # eager for it, and those run in eager after it was set aside as slower
+            "eager_turns": [r.get("eager_turns", 0) for r in ranks],
+            "set_aside": [r.get("set_aside", 0) for r in ranks],
         }
         print(json.dumps(summary), flush=True)
     if "eager" in rows and "ours" in rows:

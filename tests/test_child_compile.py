@@ -308,6 +308,47 @@ def test_a_starved_child_is_stopped_and_given_slices_between_steps(monkeypatch):
         proc.wait()
 
 
+def test_a_worker_waiting_for_its_graph_is_given_no_time(monkeypatch):
+    """A worker started ahead says when its imports are done; from then on, until a graph comes
+    (restarted), the steps give it nothing, however much they earned it (before: a rank whose
+    graph another rank compiled gave its idle worker its share of every step until exit)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from compiled_autograd.compile import share
+
+    code = "import os, sys; os.write(1, b'ready\\n'); sys.stdin.readline(); exec('while True: pass')"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        waiting = share.ReadyLine(proc.stdout)
+        s = share.Share(proc.pid, waiting=waiting)
+        s.sliced = True
+        s.started -= s.after + 10  # (a run that has gone on: each step earns the child its share of it)
+        deadline = time.time() + 30
+        while not waiting() and time.time() < deadline:
+            time.sleep(0.05)
+        assert waiting()
+        s.step()
+        time.sleep(0.5)  # (a step of training)
+        t0 = time.perf_counter()
+        s.step()
+        assert s.paid == 0.0 and time.perf_counter() - t0 < 0.02  # (owed ~0.5 s * share: given nothing)
+        assert "waiting for a graph" in s.summary()
+        proc.stdin.write(b"graph\n")
+        proc.stdin.flush()
+        fresh = share.restarted(s)  # (its graph came: its share counts from now, and it is owed time again)
+        fresh.started -= fresh.after + 10
+        time.sleep(0.5)
+        fresh.step()
+        assert fresh.paid > 0.0
+        share.ended(fresh)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 class _Clock:
     """A fake clock: what the steps and slices of a simulated training run take."""
 

@@ -228,13 +228,13 @@ def _child_command(arg: str) -> list:
     return [sys.executable, "-c", _BOOT, arg]
 
 
-def _spawn(arg: str, err, stdin=subprocess.DEVNULL):
+def _spawn(arg: str, err, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL):
     # its own process group (NOTE [The compile's share of a busy machine]: stopped and continued
     # with its g++), in this session: with the scheduler's autogroups (Linux), a new session is
     # a new group that gets a fair share of the CPU against training's whatever its own
     # priority: SCHED_IDLE then took half the CPU, and training's steps took 1 s for 40 ms
     group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
-    return subprocess.Popen(_child_command(arg), env=_child_env(), stdin=stdin, stdout=subprocess.DEVNULL, stderr=err, **group)
+    return subprocess.Popen(_child_command(arg), env=_child_env(), stdin=stdin, stdout=stdout, stderr=err, **group)
 
 
 # NOTE [A compile worker started ahead]
@@ -247,8 +247,11 @@ def _spawn(arg: str, err, stdin=subprocess.DEVNULL):
 # idle cores while training runs, measured as the graph arrives (inductor's compile_threads; one
 # where training keeps the cores busy: more workers would be more imports for the same CPU). The
 # training process imports inductor only once the child is done: importing it meanwhile held the
-# GIL against the steps (the D=1024 MLP's 60 steps took 1.4x eager's). A worker no graph came to
-# is ended at exit.
+# GIL against the steps (the D=1024 MLP's 60 steps took 1.4x eager's). Its imports done, it says
+# so (a line on its stdout) and waits: its share gives it no time until a graph comes (it has none
+# to use: before, a worker whose graph another rank compiled was given 15% of rank 0's time until
+# exit, and the 2-rank DDP job's steps took 1.3x eager's after the compile had landed). A worker
+# no graph came to is ended at exit.
 _worker = None
 _worker_tried = False
 
@@ -263,12 +266,13 @@ def prestart(cfg) -> None:
         return
     try:
         err = tempfile.TemporaryFile()
-        proc = _spawn("--worker", err, stdin=subprocess.PIPE)
+        proc = _spawn("--worker", err, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     except OSError as e:
         log.debug("no compile worker started ahead: %s", e)
         return
-    # (its share of a busy machine from its start: its imports must not cost the steps either)
-    _worker = (proc, err, share.started(proc.pid))
+    # (its share of a busy machine from its start: its imports must not cost the steps either;
+    # none once it waits for a graph)
+    _worker = (proc, err, share.started(proc.pid, waiting=share.ReadyLine(proc.stdout)))
     import atexit
 
     atexit.register(end_worker)
@@ -489,6 +493,7 @@ def main(argv=None) -> int:
     calls.install()  # (the graphs call compiled_autograd::call: importing the package registers nothing)
     if argv and argv[0] == "--worker":  # NOTE [A compile worker started ahead]
         _warm_up()
+        _say_ready()
         line = sys.stdin.readline().strip()
         if not line:
             return 0
@@ -545,6 +550,18 @@ def main(argv=None) -> int:
         write_marker(*payload["marker"])
     claims.release(payload.get("claim"))
     return 0
+
+
+def _say_ready() -> None:
+    """In a worker started ahead: tell the parent that it waits for its graph (one line on its
+    stdout), then nothing more there (its stdout is /dev/null from now on: nobody reads the pipe)."""
+    try:
+        os.write(1, b"ready\n")
+    except OSError:
+        pass
+    fd = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(fd, 1)
+    os.close(fd)
 
 
 def _warm_up() -> None:

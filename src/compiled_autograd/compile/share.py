@@ -90,11 +90,33 @@ def _cpu_seconds(pgid: int) -> float:
     return total / tick
 
 
+class ReadyLine:
+    """Whether a worker started ahead waits for its graph: the line it writes once its imports are
+    done (NOTE [A compile worker started ahead], compile/child.py), read without blocking."""
+
+    def __init__(self, pipe):
+        self.pipe, self.ready = pipe, False
+
+    def __call__(self) -> bool:
+        if not self.ready and self.pipe is not None:
+            import select
+
+            try:
+                if select.select([self.pipe], [], [], 0)[0]:
+                    self.ready = True  # (its line, or the end of the pipe: either way it wants no time)
+                    self.pipe.close()
+                    self.pipe = None
+            except (OSError, ValueError):
+                self.ready, self.pipe = True, None
+        return self.ready
+
+
 class Share:
     """The CPU share of one running child (NOTE [The compile's share of a busy machine])."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, waiting=None):
         self.pgid = pid  # (the child leads its own process group)
+        self.waiting = waiting  # a callable: True while the child waits for work (it is owed nothing then)
         self.started = self.seen = time.perf_counter()
         self.lock = threading.Lock()
         self.sliced = False
@@ -142,6 +164,9 @@ class Share:
                 return
             if idle:  # (the waiting thread let it run while no step came: that time was free)
                 self.window = (now, self._cpu())
+            if self.waiting is not None and self.waiting():  # (a worker with no graph: nothing to give it)
+                self.earned = self.paid  # (what its wait earned it is not owed)
+                return
             owed = self.owed(now)
             if owed < MIN_SLICE:
                 self._stop()
@@ -199,6 +224,8 @@ class Share:
         pending = now - self.started
         cpu = self._cpu()
         how = "given time between steps" if self.sliced else "at SCHED_IDLE (CPU training leaves idle)"
+        if self.waiting is not None and self.waiting():
+            how = "imported, waiting for a graph (given no time)"
         return f"pending {pending:.0f} s, {100 * cpu / max(pending, 1e-9):.0f}% of a CPU, {how}; training waited {self.paid:.1f} s"
 
 
@@ -206,10 +233,10 @@ _current: Share | None = None
 _current_lock = threading.Lock()
 
 
-def started(pid: int) -> Share:
+def started(pid: int, waiting=None) -> Share:
     global _current
     with _current_lock:
-        _current = Share(pid)
+        _current = Share(pid, waiting)
         return _current
 
 
