@@ -83,19 +83,23 @@ def test_the_verdict_compares_medians_of_turns_leaving_out_the_first_compiled_ru
 
     compiled = SimpleNamespace(compiled=True)
     eager_times = [0.010, 0.011, 0.010, 0.009, 0.010]
-    for times, slower in [
-        ([0.5, 0.010, 0.010, 0.011, 0.009, 0.010], False),  # (a slow first run: left out)
-        ([0.010, 0.012, 0.012, 0.013, 0.012, 0.012], True),
+    for step, times, slower in [
+        (3, [0.5, 0.010, 0.010, 0.011, 0.009, 0.010], False),  # (a slow first run: left out)
+        (4, [0.010, 0.012, 0.012, 0.013, 0.012, 0.012], True),
     ]:
         p = Payback()
         assert p.turn(compiled) is None  # (no background compile: kept, not judged)
-        p.compiling()
-        assert p.turn(SimpleNamespace(compiled=False)) is None
+        for _ in range(step):  # (the backwards that ran in eager while it compiled: as many as steps before it landed)
+            p.compiling()
+        assert p.turn(SimpleNamespace(compiled=False)) is None and p.count == step
         turns, decided = [], []
         while p.verdict is None:
             turn = p.turn(compiled)
-            turns.append(turn)
+            turns.append((p.count, turn))
             decided.append(p.note(turn, times.pop(0) if turn == "compiled" else eager_times[len(p.eager)]))
-        assert turns == ["compiled"] + ["eager", "compiled"] * 5  # (in turns: ranks that step together agree)
+        # the compiled graph's first run, then eager at the even counts of the key's backwards since it began to
+        # compile, whichever step it landed at (ranks that step together take the same turns)
+        assert turns[0][1] == "compiled" and [t for _, t in turns].count("eager") == 5 and len(turns) == 11
+        assert all((count % 2 == 0) == (turn == "eager") for count, turn in turns[1:]), turns
         assert decided[-1] == slower and not any(decided[:-1])
         assert bool(p.verdict) == slower and p.turn(compiled) is None
