@@ -3,6 +3,7 @@
     python -m benchmarks.ddp_time_to_train --world 2 --steps 3000            # shared cache directories
     python -m benchmarks.ddp_time_to_train --world 2 --steps 3000 --separate # one set of caches per rank
     python -m benchmarks.ddp_time_to_train --world 4 --steps 1500
+    python -m benchmarks.ddp_time_to_train --world 2 --steps 3000 --repeat 3 # rounds in turn: the ratio's median
 
 Each job runs `world` ranks on loopback (gloo), one thread each, an MLP of 4 blocks (Linear(512,
 512) + GELU) and a head, batch 64, SGD; fresh inductor and disk caches per job (shared by the
@@ -123,54 +124,74 @@ def main(argv=None) -> int:
     p.add_argument("--separate", action="store_true", help="each rank its own caches (ranks on different machines)")
     p.add_argument("--modes", default="eager,ours")
     p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--repeat", type=int, default=1, help="rounds of the modes in turn (the machine drifts between jobs)")
     a = p.parse_args(argv)
-    rows = {}
-    for mode in a.modes.split(","):
-        ranks = run_job(a.world, a.steps, mode, a.separate, a.timeout)
-        r0 = next(r for r in ranks if r["rank"] == 0)
-        rows[mode] = (r0, ranks)
-        summary = {
-            "world": a.world,
-            "steps": a.steps,
-            "separate": a.separate,
-            "mode": mode,
-            "total_s": round(r0["total"], 2),
-            "compiled_at": [r["compiled_at"] for r in ranks],
-            "child_compiles": [r["child_compiles"] for r in ranks],
-            "shared_compiles": [r["shared_compiles"] for r in ranks],
-            "failures": [r["compile_failures"] for r in ranks],
-            "eager_while_compiling": [r["eager_while_compiling"] for r in ranks],
-            # a landed graph judged in turns with eager (NOTE [A compiled graph slower than eager]): the backwards run in
-            # eager for it, and those run in eager after it was set aside as slower
-            "eager_turns": [r.get("eager_turns", 0) for r in ranks],
-            "set_aside": [r.get("set_aside", 0) for r in ranks],
-        }
-        print(json.dumps(summary), flush=True)
-    if "eager" in rows and "ours" in rows:
-        eager, ours = rows["eager"][0], rows["ours"][0]
+    totals: dict = {}
+    for _ in range(a.repeat):
+        rows = {}
+        for mode in a.modes.split(","):
+            ranks = run_job(a.world, a.steps, mode, a.separate, a.timeout)
+            r0 = next(r for r in ranks if r["rank"] == 0)
+            rows[mode] = r0
+            totals.setdefault(mode, []).append(r0["total"])
+            print(json.dumps(_summary(a, mode, ranks)), flush=True)
+        if "eager" in rows and "ours" in rows:
+            _compare(rows["eager"], rows["ours"])
+    if a.repeat > 1 and "eager" in totals and "ours" in totals:
         import statistics
 
-        median = statistics.median(eager["times"])
-        ours_w, eager_w = [w / (10 * median) for w in _windows(ours["times"])], [w / (10 * median) for w in _windows(eager["times"])]
-        later = max(range(1, len(ours_w)), key=ours_w.__getitem__, default=0)
+        rounds = [o / e for o, e in zip(totals["ours"], totals["eager"])]
         print(
-            f"ours / eager total: {ours['total'] / eager['total']:.3f}x ({ours['total']:.1f} s vs {eager['total']:.1f} s); "
-            f"10-step windows against eager's median step ({1e3 * median:.1f} ms): ours' first {ours_w[0]:.2f}x (the capture), "
-            f"worst after it {ours_w[later]:.2f}x (steps {10 * later}-{10 * later + 9}); eager's own worst {max(eager_w):.2f}x"
+            f"{a.repeat} rounds, ours / eager per round: {', '.join(f'{r:.3f}x' for r in rounds)}; median of the rounds "
+            f"{statistics.median(rounds):.3f}x; medians of the totals: ours {statistics.median(totals['ours']):.1f} s, "
+            f"eager {statistics.median(totals['eager']):.1f} s"
         )
-        at = ours["compiled_at"]
-        if at is not None:  # the steps' medians before and after the compiled graph took over, against eager's at the same steps
-
-            def med(t, a, b):
-                return 1e3 * statistics.median(t[a:b]) if b > a else float("nan")
-
-            print(
-                f"rank 0's median step before step {at}: ours {med(ours['times'], 20, at - 10):.1f} ms, eager "
-                f"{med(eager['times'], 20, at - 10):.1f} ms; after it: ours {med(ours['times'], at + 20, len(ours['times'])):.1f} ms, "
-                f"eager {med(eager['times'], at + 20, len(eager['times'])):.1f} ms; the 20 steps from it: ours "
-                f"{1e3 * sum(ours['times'][at : at + 20]):.0f} ms, eager {1e3 * sum(eager['times'][at : at + 20]):.0f} ms"
-            )
     return 0
+
+
+def _summary(a, mode: str, ranks: list) -> dict:
+    return {
+        "world": a.world,
+        "steps": a.steps,
+        "separate": a.separate,
+        "mode": mode,
+        "total_s": round(next(r for r in ranks if r["rank"] == 0)["total"], 2),
+        "compiled_at": [r["compiled_at"] for r in ranks],
+        "child_compiles": [r["child_compiles"] for r in ranks],
+        "shared_compiles": [r["shared_compiles"] for r in ranks],
+        "failures": [r["compile_failures"] for r in ranks],
+        "eager_while_compiling": [r["eager_while_compiling"] for r in ranks],
+        # a landed graph judged in turns with eager (NOTE [A compiled graph slower than eager]): the backwards run in
+        # eager for it, and those run in eager after it was set aside as slower
+        "eager_turns": [r.get("eager_turns", 0) for r in ranks],
+        "set_aside": [r.get("set_aside", 0) for r in ranks],
+    }
+
+
+def _compare(eager: dict, ours: dict) -> None:
+    """Rank 0's job time, its 10-step windows, and its steps before and after the landing, against eager's."""
+    import statistics
+
+    median = statistics.median(eager["times"])
+    ours_w, eager_w = [w / (10 * median) for w in _windows(ours["times"])], [w / (10 * median) for w in _windows(eager["times"])]
+    later = max(range(1, len(ours_w)), key=ours_w.__getitem__, default=0)
+    print(
+        f"ours / eager total: {ours['total'] / eager['total']:.3f}x ({ours['total']:.1f} s vs {eager['total']:.1f} s); "
+        f"10-step windows against eager's median step ({1e3 * median:.1f} ms): ours' first {ours_w[0]:.2f}x (the capture), "
+        f"worst after it {ours_w[later]:.2f}x (steps {10 * later}-{10 * later + 9}); eager's own worst {max(eager_w):.2f}x"
+    )
+    at = ours["compiled_at"]
+    if at is not None:  # the steps' medians before and after the compiled graph took over, against eager's at the same steps
+
+        def med(t, a, b):
+            return 1e3 * statistics.median(t[a:b]) if b > a else float("nan")
+
+        print(
+            f"rank 0's median step before step {at}: ours {med(ours['times'], 20, at - 10):.1f} ms, eager "
+            f"{med(eager['times'], 20, at - 10):.1f} ms; after it: ours {med(ours['times'], at + 20, len(ours['times'])):.1f} ms, "
+            f"eager {med(eager['times'], at + 20, len(eager['times'])):.1f} ms; the 20 steps from it: ours "
+            f"{1e3 * sum(ours['times'][at : at + 20]):.0f} ms, eager {1e3 * sum(eager['times'][at : at + 20]):.0f} ms"
+        )
 
 
 if __name__ == "__main__":

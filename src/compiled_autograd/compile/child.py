@@ -248,10 +248,8 @@ def _spawn(arg: str, err, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL):
 # where training keeps the cores busy: more workers would be more imports for the same CPU). The
 # training process imports inductor only once the child is done: importing it meanwhile held the
 # GIL against the steps (the D=1024 MLP's 60 steps took 1.4x eager's). Its imports done, it says
-# so (a line on its stdout) and waits: its share gives it no time until a graph comes (it has none
-# to use: before, a worker whose graph another rank compiled was given 15% of rank 0's time until
-# exit, and the 2-rank DDP job's steps took 1.3x eager's after the compile had landed). A worker
-# no graph came to is ended at exit.
+# so (a line on stdout) and is given no time until a graph comes (a rank whose graph another
+# compiled gave its idle worker 15% of its steps until exit). A worker no graph came to is ended at exit.
 _worker = None
 _worker_tried = False
 
@@ -553,8 +551,7 @@ def main(argv=None) -> int:
 
 
 def _say_ready() -> None:
-    """In a worker started ahead: tell the parent that it waits for its graph (one line on its
-    stdout), then nothing more there (its stdout is /dev/null from now on: nobody reads the pipe)."""
+    """In a worker started ahead: it waits for its graph (a line on stdout, then /dev/null there: nobody reads it)."""
     try:
         os.write(1, b"ready\n")
     except OSError:
