@@ -218,7 +218,8 @@ def explain(file=sys.stdout) -> _explain.Report:
     """Print a readable report -- counters, one line per capture with its reason, why
     backwards ran in eager and nodes ran opaquely -- to `file` (None: print nothing), and
     return its text."""
-    return _explain.explain(CACHE.entries(), file, _background.report())
+    judged = [line for _, fam in CACHE.items() if (line := fam.payback.summary())]  # NOTE [A compiled graph slower than eager]
+    return _explain.explain(CACHE.entries(), file, _background.report(), judged)
 
 
 def graphs() -> list:

@@ -20,12 +20,12 @@ class Report(str):
         return f"<compiled_autograd report: {self.count(chr(10)) + 1} lines, printed>"
 
 
-def explain(entries: list, file=sys.stdout, compiles=()) -> Report:
+def explain(entries: list, file=sys.stdout, compiles=(), judged=()) -> Report:
     """Print a readable report -- counters, one line per capture with its reason, why
     backwards ran in eager and nodes ran opaquely, the background compiles (`compiles`: lines
-    compile/background.py's report() wrote), the cached graphs (`entries`) -- to `file` (None:
-    print nothing), and return its text."""
-    text = Report(_report(entries, compiles))
+    compile/background.py's report() wrote), what timing landed graphs against eager found
+    (`judged`), the cached graphs (`entries`) -- to `file` (None: print nothing), and return its text."""
+    text = Report(_report(entries, compiles, judged))
     if file is not None:
         print(text, file=file)
     return text
@@ -41,7 +41,7 @@ MAX_LINE = 240  # characters of one line
 MAX_GUARDS = 2  # guards quoted of a dynamic graph's
 
 
-def _report(entries: list, compiles=()) -> str:
+def _report(entries: list, compiles=(), judged=()) -> str:
     with LOCK:
         s = STATS.snapshot()
     lines = [f"compiled_autograd: {s}"]
@@ -89,6 +89,7 @@ def _report(entries: list, compiles=()) -> str:
     lines.extend(f"  {line}" for line in compiles)
     if not compiles and s.compiles_pending:
         lines.append(f"  background compiles pending: {s.compiles_pending}")
+    lines.extend(f"  {line}" for line in judged)
     lines.append(f"  cached graphs: {len(entries)}")
     return "\n".join(_clip(line) for line in lines)
 
