@@ -59,8 +59,8 @@ def test_a_compiled_graph_slower_than_eager_is_set_aside():
             assert torch.equal(a, b), f"step {step}"
     s = ca.stats()
     assert s.eager_while_compiling >= 3, s
-    assert s.eager_turns == 5 and s.hits == 6, s  # (in turns: the compiled graph's first, then 5 of each)
-    assert s.fallback_reasons["slower than eager"] >= 5, s
+    assert s.captures == 1 and s.eager_turns == 5 and s.hits == 6, s  # (in turns: the compiled graph's first, then 5 of each)
+    assert s.fallback_reasons["slower than eager"] >= 5 and s.eager_fallbacks == s.fallback_reasons["slower than eager"], s
     text = ca.explain(file=None)
     assert "slower than eager" in text and "judged in turns with eager" in text and ": set aside" in text, text
 
@@ -74,7 +74,8 @@ def test_steps_slowed_while_compiling_are_not_the_baseline():
             assert torch.equal(a, b), f"step {step}"
     s = ca.stats()
     assert s.eager_while_compiling >= 3 and s.eager_turns == 5, s
-    assert s.fallback_reasons["slower than eager"] >= 5, s
+    assert (s.captures, s.hits) == (1, 6) and s.fallback_reasons["slower than eager"] >= 5, s
+    assert s.eager_fallbacks == s.fallback_reasons["slower than eager"], s  # (no other fallback)
 
 
 def test_the_verdict_compares_medians_of_turns_leaving_out_the_first_compiled_run():

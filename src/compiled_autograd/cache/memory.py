@@ -94,23 +94,23 @@ class CompiledBackward:
 
 class Payback:
     """NOTE [A compiled graph slower than eager]
-        A compile pays back only where the compiled backward is faster than eager's, which on a CPU
-        it need not be (a backward of matmuls and oneDNN convolutions is the same kernels either
-        way, and the compiled one adds its calls). Where a graph was compiled in the background (its
-        backwards ran in eager while it compiled: NOTE [Steps while a graph compiles]), the landed
-        graph is judged against eager in the same conditions: its key's backwards take turns, one in
-        the compiled graph, the next in eager autograd (bitwise the same results on eager and
-        aot_eager; on inductor each is its own rounding), each timed, until SAMPLES of each (the
-        compiled graph's first run is left out: its page faults). The eager backwards timed while it
-        compiled are not the baseline: they shared the machine with the compile (its slices, the
-        caches it filled; in a DDP job the allreduce waits on a rank that gave a slice), so they ran
-        slower than eager and let a slower compiled graph pass (a 2-rank DDP job: 23.2 ms while
-        compiling, 21.6 ms compiled, eager's own 17.1 ms). The turns follow the key's count of
-        backwards since the graph began to compile, so ranks that step together take the same turn
-    whichever step each landed at. Where the compiled median is
-        above MARGIN times eager's, the graph is set aside: the key's backwards run in eager from
-        then on, counted with the two times as the reason ("slower than eager": stats(), explain()).
-        A graph compiled at once (no background compile, a graph loaded compiled) is kept."""
+    A compile pays back only where the compiled backward is faster than eager's, which on a CPU
+    it need not be (a backward of matmuls and oneDNN convolutions is the same kernels either
+    way, and the compiled one adds its calls). Where a graph was compiled in the background (its
+    backwards ran in eager while it compiled: NOTE [Steps while a graph compiles]), the landed
+    graph is judged against eager in the same conditions: its key's backwards take turns, one in
+    the compiled graph, the next in eager autograd (bitwise the same results on eager and
+    aot_eager; on inductor each is its own rounding), each timed, until SAMPLES of each (the
+    compiled graph's first run is left out: its page faults). The eager backwards timed while it
+    compiled are not the baseline: they shared the machine with the compile (its slices, the
+    caches it filled; in a DDP job the allreduce waits on a rank that gave a slice), so they ran
+    slower than eager and let a slower compiled graph pass (a 2-rank DDP job: 23.2 ms while
+    compiling, 21.6 ms compiled, eager's own 17.1 ms). The turns follow the key's count of
+    backwards since the graph began to compile, so ranks that step together take the same turn
+    whichever step each landed at. Where the compiled median is above MARGIN times eager's, the
+    graph is set aside: the key's backwards run in eager from then on, counted with the two
+    times as the reason ("slower than eager": stats(), explain()). A graph compiled at once (no
+    background compile, a graph loaded compiled) is kept."""
 
     SAMPLES = 5
     MARGIN = 1.05
